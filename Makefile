@@ -1,0 +1,57 @@
+# torch-dtorch developer entry points. `make demo` and `make test` install everything they need.
+SHELL := /bin/bash
+.DEFAULT_GOAL := test
+
+# Tests, demos and apps never reach a model hub.
+export HF_HUB_OFFLINE := 1
+
+VENV  := .venv
+PY    := $(VENV)/bin/python
+PIP   := $(PY) -m pip
+STAMP := $(VENV)/.stamp
+# The torch build the venv is made with (a local CPU wheel on the project machines). pyproject.toml only
+# states the supported range, so installing the project afterwards never replaces it.
+TORCH_PIN := torch==2.13.0
+# python3.11 if present, else python3.
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+
+.PHONY: venv demo test lint fmt bench cov clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml setup.cfg
+	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	$(PIP) install '$(TORCH_PIN)'
+	$(PIP) install -e '.[dev]'
+	@touch $@
+
+demo: venv
+	$(VENV)/bin/dtorch demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+fmt: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# pytest exits 5 when it collects no test: that is a failure here, never a silent pass.
+test: venv lint
+	@rc=0; $(PY) -m pytest -q || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests -- failing" >&2; exit 1; fi; \
+	exit $$rc
+
+cov: venv
+	$(VENV)/bin/coverage run -m pytest -q
+	$(VENV)/bin/coverage report
+
+bench: venv
+	@shopt -s nullglob; files=(bench/*.py); \
+	if [ $${#files[@]} -eq 0 ]; then echo "make bench: no benchmarks in bench/ yet"; exit 0; fi; \
+	for f in "$${files[@]}"; do echo "== $$f"; $(PY) "$$f" || exit $$?; done
+
+clean:
+	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis .coverage
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -1,0 +1,87 @@
+"""The ``dtorch`` command line (console script ``dtorch = torch_dtorch.cli:main``).
+
+Sub-commands import what they need lazily, so ``dtorch version`` and ``dtorch --help`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from importlib import metadata
+
+_LOG_LEVEL_ENV = "DTORCH_LOG_LEVEL"
+
+
+def _dist_version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    print(
+        f"torch-dtorch {_dist_version('torch-dtorch')} "
+        f"(torch {_dist_version('torch')}, python {platform.python_version()})"
+    )
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    # Contract with torch_dtorch/apps/demo.py: ``main(argv: list[str] | None = None) -> int | None``.
+    # Arguments after ``dtorch demo`` are passed through unparsed (``dtorch demo -- --help`` for the demo's help).
+    demo = importlib.import_module("torch_dtorch.apps.demo")
+    demo_main: Callable[[list[str] | None], int | None] = demo.main
+    rc = demo_main(list(args.passthrough))
+    return 0 if rc is None else int(rc)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dtorch",
+        description="torch-dtorch: one controller process drives N devices as one.",
+        epilog=f"Set {_LOG_LEVEL_ENV}=DEBUG|INFO|WARNING|ERROR for logging (default WARNING).",
+    )
+    parser.set_defaults(passthrough_ok=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p_demo = sub.add_parser(
+        "demo",
+        help="run the built-in demo on a simulated CPU mesh",
+        description="Run the built-in demo; further arguments are passed to the demo unparsed.",
+    )
+    p_demo.set_defaults(func=_cmd_demo, passthrough_ok=True)
+
+    p_version = sub.add_parser("version", help="print torch-dtorch, torch and python versions")
+    p_version.set_defaults(func=_cmd_version)
+    return parser
+
+
+def _setup_logging() -> None:
+    name = os.environ.get(_LOG_LEVEL_ENV, "WARNING").strip().upper() or "WARNING"
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        print(f"dtorch: ignoring unknown {_LOG_LEVEL_ENV}={name!r}; using WARNING", file=sys.stderr)
+        level = logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dtorch`` console script; returns the process exit code."""
+    _setup_logging()
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+    if extra and not args.passthrough_ok:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.passthrough = extra[1:] if extra[:1] == ["--"] else extra
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Configuration: dataclasses plus documented ``DTORCH_*`` environment variables.
+
+| variable | meaning | default |
+|---|---|---|
+| ``DTORCH_REDISTRIBUTE`` | policy when inputs fit no placement signature: ``auto`` (cost-ordered redistribute, logged at DEBUG), ``local`` (only communication-free Replicate->Shard slices), ``never`` (raise) | ``auto`` |
+| ``DTORCH_LOG_LEVEL`` | logging level of the ``torch_dtorch`` logger (CLI only) | ``WARNING`` |
+| ``DTORCH_DEBUG`` | ``1``: record the user call site of every op (costly; for error messages) | ``0`` |
+| ``DTORCH_VALIDATE_KERNEL_IO`` | ``1``: every worker kernel checks each local output's shape, dtype and device against the inferred metadata and raises ``KernelIOError`` naming the op and the worker | ``0`` |
+| ``DTORCH_BATCH_SIZE`` | eager executor: instructions per batch sent to the workers (a full batch is flushed at once) | ``64`` |
+| ``DTORCH_FLUSH_MS`` | eager executor: pending instructions are flushed after this many milliseconds without a new op | ``2`` |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class RedistributePolicy(StrEnum):
+    AUTO = "auto"
+    LOCAL = "local"
+    NEVER = "never"
+
+
+def _env_policy() -> RedistributePolicy:
+    raw = os.environ.get("DTORCH_REDISTRIBUTE", "auto").strip().lower()
+    try:
+        return RedistributePolicy(raw)
+    except ValueError:
+        valid = ", ".join(p.value for p in RedistributePolicy)
+        raise ValueError(f"DTORCH_REDISTRIBUTE={raw!r} is not one of: {valid}") from None
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_number(name: str, default: float, *, minimum: float, integer: bool = False) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name}={raw!r} is not {kind}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r} must be >= {minimum}")
+    return value
+
+
+@dataclass
+class Config:
+    """Process-wide settings; read once from the environment, changeable at run time via :func:`get_config`."""
+
+    redistribute: RedistributePolicy = field(default_factory=_env_policy)
+    debug: bool = field(default_factory=lambda: _env_flag("DTORCH_DEBUG"))
+    validate_kernel_io: bool = field(default_factory=lambda: _env_flag("DTORCH_VALIDATE_KERNEL_IO"))
+    batch_size: int = field(
+        default_factory=lambda: int(_env_number("DTORCH_BATCH_SIZE", 64, minimum=1, integer=True))
+    )
+    flush_ms: float = field(default_factory=lambda: _env_number("DTORCH_FLUSH_MS", 2.0, minimum=0.0))
+
+
+_CONFIG: Config | None = None
+
+
+def get_config() -> Config:
+    global _CONFIG
+    if _CONFIG is None:
+        _CONFIG = Config()
+    return _CONFIG

@@ -1,0 +1,79 @@
+"""Typed exceptions of torch-dtorch.
+
+Messages follow the style of JAX's ``shard_map`` errors: what was called, each offending argument with its
+shape and placements, the rule that was broken, and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+DOCS_PLACEMENT_RULES = "docs/placement_rules.md"
+
+
+class DTorchError(Exception):
+    """Base class of every error raised by torch-dtorch."""
+
+
+class MeshError(DTorchError, ValueError):
+    """A device mesh was built or indexed with invalid arguments."""
+
+
+class PlacementError(DTorchError, ValueError):
+    """Placements that do not fit a mesh or a tensor (wrong count, shard dim out of range, ...)."""
+
+
+class RuleRegistrationError(DTorchError, RuntimeError):
+    """A placement rule was registered twice, or registered for something that is not an op overload."""
+
+
+class NoRuleError(DTorchError, NotImplementedError):
+    """An aten op reached dtorch but no placement rule is registered for it."""
+
+    def __init__(self, op: object, *, detail: str = "") -> None:
+        self.op = op
+        msg = (
+            f"dtorch has no placement rule for {op}.{(' ' + detail) if detail else ''}\n"
+            f"Fix: register one with @torch_dtorch.placement_rules.register_rule({op}) "
+            f"(see {DOCS_PLACEMENT_RULES}, 'Adding a rule'), or compute this op on torch tensors "
+            f"(x.full_tensor()) and distribute the result."
+        )
+        super().__init__(msg)
+
+
+class PlacementMismatchError(DTorchError, ValueError):
+    """The inputs of an op fit none of its placement signatures and the redistribute policy forbids fixing it."""
+
+    def __init__(
+        self,
+        op: object,
+        *,
+        arguments: Sequence[str],
+        axis: int | None,
+        signatures: Sequence[str],
+        reason: str,
+        fix: str,
+    ) -> None:
+        self.op = op
+        self.axis = axis
+        lines = [f"{op}: {reason}"]
+        lines.append("  arguments:")
+        lines.extend(f"    {a}" for a in arguments)
+        if signatures:
+            where = f" on mesh axis {axis}" if axis is not None else ""
+            lines.append(f"  legal signatures{where} (inputs -> outputs):")
+            lines.extend(f"    {s}" for s in signatures)
+        lines.append(f"  fix: {fix}")
+        super().__init__("\n".join(lines))
+
+
+class RedistributeError(DTorchError, ValueError):
+    """A redistribute between two layouts that cannot be planned (e.g. to an unsupported Partial op)."""
+
+
+class ShapeError(DTorchError, ValueError):
+    """An op's inputs have shapes the op rejects (reported before anything reaches a worker)."""
+
+
+class AsStridedError(DTorchError, RuntimeError):
+    """``as_strided`` on a sharded or partial dtorch tensor (it addresses memory the tensor does not have whole)."""

@@ -1,0 +1,229 @@
+"""``GraphConstructor``: turns op calls on operands into LogicalGraph operators, with placements inferred by the
+rules and redistributes inserted where an input must change layout. Runners (next layer) execute what it records.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_dtorch.config import RedistributePolicy
+from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta, ViewInfo
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement import Placement, Placements, normalize_placements, placements_str
+from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
+from torch_dtorch.placement_rules.planner import RedistributePlan, plan_redistribute
+
+__all__ = ["BoundOp", "GraphConstructor"]
+
+log = logging.getLogger(__name__)
+
+REDISTRIBUTE = "redistribute"
+
+
+@dataclass(frozen=True)
+class BoundOp:
+    """What a worker needs to run one operator: its rule and the call on the (redistributed) operands."""
+
+    rule: OpRule
+    call: OpCall
+
+
+class GraphConstructor:
+    """Adds operators to a :class:`LogicalGraph`.
+
+    Args:
+        graph: the graph to append to (a new one by default).
+        default_mesh: mesh for calls with no distributed input (factories).
+        policy: redistribute policy override (default: ``DTORCH_REDISTRIBUTE``).
+    """
+
+    def __init__(
+        self,
+        graph: LogicalGraph | None = None,
+        *,
+        default_mesh: DeviceMesh | None = None,
+        policy: RedistributePolicy | None = None,
+    ) -> None:
+        self.graph = graph if graph is not None else LogicalGraph()
+        self.default_mesh = default_mesh
+        self.policy = policy
+        #: called with every operator added (redistributes included), in order: how executors stream work
+        self.listeners: list[Callable[[Operator], None]] = []
+
+    # --- inputs -------------------------------------------------------------------------------------------------
+    def input(
+        self,
+        shape: Sequence[int],
+        mesh: DeviceMesh | None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        tag: str | None = None,
+    ) -> Operand:
+        """A distributed input (parameter, activation) that lives on the workers already."""
+        mesh = mesh if mesh is not None else self.default_mesh
+        if mesh is None:
+            return self.graph.add_input(shape, None, (), dtype=dtype, tag=tag)
+        pl = normalize_placements(placements or (), ndim=len(shape), mesh_ndim=mesh.ndim, what=tag or "input")
+        return self.graph.add_input(shape, mesh, pl, dtype=dtype, tag=tag)
+
+    # --- ops ----------------------------------------------------------------------------------------------------
+    def call(
+        self,
+        op: Any,
+        *args: Any,
+        placements: Sequence[Placements] | None = None,
+        device_mesh: DeviceMesh | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Record ``op(*args, **kwargs)`` on operands; returns the output operand(s) in the op's structure.
+
+        ``placements``/``device_mesh`` request output placements (factories), as in ``torch.zeros(...,
+        device_mesh=mesh, placements=[Shard(0)])``.
+        """
+        call = OpCall.make(op, args, kwargs, mesh=device_mesh or self.default_mesh)
+        rule = get_rule(op)
+        prefer: tuple[Placements, ...] | None = None
+        mesh_for_out = self._output_mesh(call, device_mesh)
+        if placements is not None:
+            if mesh_for_out is None:
+                raise ValueError(f"{op}: placements= given without a device mesh; pass device_mesh=")
+            prefer = tuple(mesh_for_out.to_root_placements(p) for p in placements)
+        plan = rule.plan(call, policy=self.policy, prefer_outputs=prefer)
+        inputs = list(call.inputs)
+        for i in plan.match.needs_redistribute(call):
+            x = inputs[i]
+            assert x is not None and call.mesh is not None
+            target = plan.match.in_targets[i]
+            assert target is not None
+            log.debug(
+                "%s: input %d %s -> %s",
+                op,
+                i,
+                placements_str(call.placements[i] or ()),
+                placements_str(target),
+            )
+            inputs[i] = self._redistribute(x, call.mesh, target)
+        bound = BoundOp(rule, call.retarget(inputs, list(plan.match.in_targets)))
+        outputs = [
+            self._new_output(meta, pl, call, mesh_for_out, rule.view_of, inputs)
+            for meta, pl in zip(plan.out_meta, plan.out_placements, strict=True)
+        ]
+        self._emit(
+            op,
+            args=bound.call.args,
+            kwargs=bound.call.kwargs,
+            inputs=inputs,
+            outputs=outputs,
+            family=rule.family,
+            assign=plan.assign,
+            cost=plan.cost,
+            payload=bound,
+        )
+        return self._structure(op, outputs)
+
+    def redistribute(
+        self, x: Operand, placements: Sequence[Placement], *, device_mesh: DeviceMesh | None = None
+    ) -> Operand:
+        """Explicit redistribute (``x.redistribute(mesh, placements)``); also moves between meshes (stages)."""
+        if x.mesh is None:
+            raise ValueError(
+                f"redistribute: {x.describe()} is not bound to a mesh yet; use it with a mesh first"
+            )
+        mesh = device_mesh if device_mesh is not None else x.mesh
+        pl = normalize_placements(
+            placements, ndim=x.ndim, mesh_ndim=mesh.ndim, what=f"redistribute of {x.name}"
+        )
+        return self._redistribute(x, mesh, mesh.to_root_placements(pl), user_mesh=mesh)
+
+    # --- internals ----------------------------------------------------------------------------------------------
+    def _redistribute(
+        self,
+        x: Operand,
+        mesh: DeviceMesh,
+        root_placements: Placements,
+        *,
+        user_mesh: DeviceMesh | None = None,
+    ) -> Operand:
+        assert x.mesh is not None
+        plan: RedistributePlan = plan_redistribute(
+            x.shape, x.mesh, x.placements, dst_mesh=mesh.root, dst_placements=root_placements
+        )
+        out_mesh = user_mesh if user_mesh is not None else mesh.root
+        out_pl = out_mesh.from_root_placements(root_placements)
+        if out_pl is None:
+            out_mesh, out_pl = mesh.root, root_placements
+        y = self.graph.new_operand(
+            TensorMeta(x.shape, x.dtype), out_mesh, out_pl, requires_grad=x.requires_grad
+        )
+        comm = plan.comm_bytes(x.itemsize)
+        self._emit(
+            REDISTRIBUTE,
+            args=(x,),
+            kwargs={},
+            inputs=[x],
+            outputs=[y],
+            family="collective",
+            assign=AssignInfo(tuple(sorted(set(x.mesh.devices) | set(mesh.devices))), "comm"),
+            cost=OperatorCost(bytes_read=x.nbytes(), bytes_written=y.nbytes(), comm_bytes=int(comm)),
+            note="; ".join(str(s) for s in plan.steps) or "no-op",
+            payload=plan,
+        )
+        return y
+
+    def _emit(self, op: Any, **fields: Any) -> Operator:
+        node = self.graph.add_operator(op, **fields)
+        for listener in self.listeners:
+            listener(node)
+        return node
+
+    def _output_mesh(self, call: OpCall, requested: DeviceMesh | None) -> DeviceMesh | None:
+        meshes = {x.mesh for x in call.inputs if x is not None and x.mesh is not None}
+        if len(meshes) == 1:
+            return meshes.pop()
+        if requested is not None:
+            return requested
+        return call.mesh if call.mesh is not None else self.default_mesh
+
+    def _new_output(
+        self,
+        meta: TensorMeta,
+        root_pl: Placements,
+        call: OpCall,
+        mesh: DeviceMesh | None,
+        view_of: int | None,
+        inputs: list[Operand | None],
+    ) -> Operand:
+        base = inputs[view_of] if view_of is not None else None
+        view = ViewInfo(call.op, _non_tensor_args(call)) if base is not None else None
+        requires_grad = any(x.requires_grad for x in inputs if x is not None) and meta.dtype.is_floating_point
+        if mesh is None:
+            return self.graph.new_operand(meta, None, (), base=base, view=view, requires_grad=requires_grad)
+        pl = mesh.from_root_placements(root_pl)
+        if pl is None:
+            mesh, pl = mesh.root, root_pl
+        return self.graph.new_operand(meta, mesh, pl, base=base, view=view, requires_grad=requires_grad)
+
+    @staticmethod
+    def _structure(op: Any, outputs: list[Operand]) -> Any:
+        schema = getattr(op, "_schema", None)
+        if schema is not None:
+            rets = schema.returns
+            if len(rets) == 1 and str(rets[0].type) == "List[Tensor]":
+                return outputs
+            if len(rets) == 1:
+                return outputs[0]
+            return tuple(outputs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def last(self) -> Operator:
+        return self.graph.operators[-1]
+
+
+def _non_tensor_args(call: OpCall) -> tuple[Any, ...]:
+    return tuple(a for a in call.args if not isinstance(a, Operand))

@@ -1,0 +1,142 @@
+"""Attention family: ``scaled_dot_product_attention`` (CompositeImplicitAutograd: intercepted).
+
+``q [..., L, E]``, ``k [..., S, E]``, ``v [..., S, Ev]``, optional ``attn_mask`` broadcastable to ``[..., L, S]``
+-> ``out [..., L, Ev]``. Signatures (one mesh axis):
+- **batch / head dims** ``d`` of the output: ``q``, ``k``, ``v`` each ``S`` on the aligned dim where they have it at
+  full size (``R`` where it broadcasts), the mask likewise -> ``S(d)``. With ``enable_gqa`` and fewer kv heads the
+  head dim (``-3``) is sharded only when every query shard, for every nesting of the mesh axes, holds whole
+  groups of ``Hq / Hkv`` heads (then the kv shards are exactly the matching kv heads); otherwise no head signature.
+- **query sequence**: ``q S(-2)``, ``k``/``v`` ``R``, mask ``S(-2)`` at full size else ``R`` -> ``S(-2)`` (each
+  query row attends to all keys independently). With ``is_causal`` the local kernel replaces the causal flag by an
+  explicit mask ``tril(diagonal=offset)`` with this rank's query offset, so the top-left alignment stays global.
+- **value features**: ``v S(-1)``, the rest ``R`` -> ``S(-1)``.
+- **linearity in v**: ``v P(sum|avg)``, the rest ``R`` -> same ``P``.
+- Key/value sequence sharding (ring / Ulysses context parallel) is not exact here: it is left to a later CP rule.
+- ``dropout_p > 0`` raises ``NotImplementedError`` (the dropout stream of a sharded call cannot equal torch's);
+  under autograd the op is decomposed before it reaches this rule anyway.
+
+Cost: ``sdpa_cost`` (``2·B·H·L·S·(E+Ev)``, halved when causal).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from torch_dtorch.graph import Operand, OperatorCost
+from torch_dtorch.ops.cost import sdpa_cost
+from torch_dtorch.placement import Partial, Placement, Replicate, Shard
+from torch_dtorch.placement_rules.call import LocalContext, OpCall
+from torch_dtorch.placement_rules.normalization import groups_split_evenly
+from torch_dtorch.placement_rules.rule import register_rule
+from torch_dtorch.placement_rules.signature import PlacementSignature, sig
+
+__all__ = ["sdpa_signatures"]
+
+aten = torch.ops.aten
+_R = Replicate()
+
+
+def _aligned(x: Operand | None, d: int, out_shape: tuple[int, ...]) -> Placement:
+    """``S`` on ``x``'s dim aligned with output dim ``d`` if ``x`` has it at full size, else ``R``."""
+    if x is None:
+        return _R
+    a = d - (len(out_shape) - x.ndim)
+    return Shard(a) if a >= 0 and x.shape[a] == out_shape[d] else _R
+
+
+def _qkv(call: OpCall) -> tuple[Operand, Operand, Operand, Operand | None]:
+    q, k, v, mask = call.inputs
+    assert q is not None and k is not None and v is not None
+    return q, k, v, mask
+
+
+def sdpa_signatures(call: OpCall) -> list[PlacementSignature]:
+    q, k, v, mask = _qkv(call)
+    out = tuple(call.out_meta[0].shape)
+    nd = len(out)
+    mesh_shape = call.mesh.shape if call.mesh is not None else ()
+    gqa = (
+        bool(call.arg("enable_gqa"))
+        and nd >= 3
+        and q.ndim >= 3
+        and k.ndim >= 3
+        and k.shape[-3] not in (1, q.shape[-3])
+    )
+    sigs: list[PlacementSignature] = []
+    for d in range(nd - 2):
+        if gqa and d == nd - 3:
+            if (
+                v.ndim < 3
+                or v.shape[-3] != k.shape[-3]
+                or not groups_split_evenly(q.shape[-3], k.shape[-3], mesh_shape)
+            ):
+                continue
+            head = Shard(q.ndim - 3)
+            sigs.append(sig([head, Shard(k.ndim - 3), Shard(v.ndim - 3), _aligned(mask, d, out)], Shard(d)))
+            continue
+        sigs.append(sig([_aligned(x, d, out) for x in (q, k, v, mask)], Shard(d)))
+    # query sequence: rows are independent (the causal offset is handled by the kernel)
+    m_seq = Shard(mask.ndim - 2) if mask is not None and mask.ndim >= 2 and mask.shape[-2] == out[-2] else _R
+    sigs.append(sig([Shard(q.ndim - 2), _R, _R, m_seq], Shard(nd - 2)))
+    # value features
+    sigs.append(sig([_R, _R, Shard(v.ndim - 1), _R], Shard(nd - 1)))
+    sigs.append(sig([_R] * 4, _R))  # before the Partial ones: a Replicate output wins cost ties
+    for reduce_op in ("sum", "avg"):
+        sigs.append(sig([_R, _R, Partial(reduce_op), _R], Partial(reduce_op)))
+    return sigs
+
+
+def _check(call: OpCall) -> None:
+    if float(call.arg("dropout_p") or 0.0) > 0.0:
+        raise NotImplementedError(
+            f"{call.op}: dropout_p={call.arg('dropout_p')} is not supported on dtorch tensors (the dropout mask of a "
+            "sharded call cannot equal torch's); use dropout_p=0.0 (eval) or apply dropout to the output separately"
+        )
+
+
+def _kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A query shard of a causal call gets the explicit mask ``tril(diagonal=offset)`` instead of ``is_causal``;
+    an empty output shard is made directly."""
+    names = [a.name for a in call.op._schema.arguments]
+    bound = dict(zip(names, args)) | kwargs
+    if math.prod(ctx.out_shapes[0]) == 0:  # an empty shard: torch's math path broadcasts 1 against 0 to 1
+        return bound["query"].new_empty(ctx.out_shapes[0], dtype=call.out_meta[0].dtype)
+    l_global = call.out_meta[0].shape[-2]
+    l_local, offset = ctx.out_shapes[0][-2], ctx.out_offsets[0][-2]
+    if not bound.get("is_causal", False) or (l_local == l_global and offset == 0):
+        return call.op(*args, **kwargs)
+    q, k = bound["query"], bound["key"]
+    mask = torch.ones(l_local, k.shape[-2], dtype=torch.bool, device=q.device).tril(diagonal=offset)
+    bound.update(attn_mask=mask, is_causal=False)
+    return call.op(**bound)
+
+
+def _cost(call: OpCall) -> OperatorCost:
+    q, k, v, _ = _qkv(call)
+    out = call.out_meta[0].shape
+    return sdpa_cost(
+        call.inputs,
+        call.out_meta,
+        batch_heads=math.prod(out[:-2]),
+        q_len=q.shape[-2],
+        kv_len=k.shape[-2],
+        head_dim=q.shape[-1],
+        v_dim=v.shape[-1],
+        causal=bool(call.arg("is_causal")),
+    )
+
+
+@register_rule(
+    aten.scaled_dot_product_attention.default,
+    family="attention",
+    intercept=True,
+    check=_check,
+    kernel=_kernel,
+    cost=_cost,
+)
+def scaled_dot_product_attention(call: OpCall) -> list[PlacementSignature]:
+    """Batch/head dims (GQA when heads split in whole groups), query sequence, value features, linear in v."""
+    return sdpa_signatures(call)

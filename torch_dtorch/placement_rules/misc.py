@@ -1,0 +1,197 @@
+"""Misc family: copies and conversions, fill, dropout, one_hot.
+
+Signatures (one mesh axis):
+
+- ``clone``, ``contiguous``, ``_to_copy``, ``to.dtype``/``to.dtype_layout``/``to.device``: ``S(d) -> S(d)``;
+  ``P -> P`` (every reduce op) for a plain copy and for a cast between floating dtypes (rounding is monotonic, so
+  max/min stay exact and sum/avg differ only by rounding, as with any reordered float sum). A cast to an integer or
+  bool dtype is not linear (truncation, ``!= 0``): a Partial input is reduced first.
+- ``to.other``, ``type_as``: like ``to.dtype`` with ``other``'s dtype; ``other`` lends only its dtype, so it keeps
+  whatever placement it has (never redistributed).
+- ``copy(self, src)`` (functional ``copy_``): the output has ``self``'s shape and dtype and ``src``'s values:
+  ``self`` ``S(d)`` with ``src`` ``S(aligned)`` or ``R`` when broadcast -> ``S(d)``; ``src`` Partial -> Partial (cast
+  rule above) with ``self`` ``R`` or the same Partial; ``self`` Partial with ``src`` ``R`` -> ``R`` (``self``'s values
+  are overwritten).
+- ``fill.Scalar``, ``fill.Tensor`` (value ``R``): ``S(d) -> S(d)``; no Partial (every part filled with ``v`` would
+  reduce to ``n·v``).
+- ``dropout``: ``S(d) -> S(d)``, ``P(sum|avg) -> P(sum|avg)`` (with one global mask dropout is linear in the input;
+  without training it is the identity). With ``train=True`` and ``0 < p < 1`` every rank draws the GLOBAL noise
+  tensor exactly as CPU torch does (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``) from the shared generator
+  state (:func:`~torch_dtorch.placement_rules.creation.draw_global`; O(global numel) per rank) and multiplies its
+  slice, so results and the generator state equal single-device CPU torch under the same seed.
+- ``one_hot(num_classes)``: ``S(d) -> S(d)`` for the input dims. ``num_classes=-1`` (the global max + 1, a
+  data-dependent size) raises ``NotImplementedError``.
+
+Composite (CompositeImplicitAutograd) overloads are intercepted: ``to.*``, ``contiguous``, ``type_as``, ``dropout``,
+``one_hot``. ``to.*``/``contiguous``/``type_as`` return ``self`` itself when nothing changes, locally as in torch;
+the eager kernel must alias the operand in that case.
+
+Devices: a ``device`` argument names the ``dtorch`` device (moving a ``dtorch`` tensor to another device is a
+conversion the front end handles before any rule). Shape inference runs with ``device='meta'``; locally a ``device``
+keyword is dropped (``None`` keeps the shard's device) and ``to.device``'s positional device becomes the local
+shard's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from torch_dtorch.errors import ShapeError
+from torch_dtorch.graph import TensorMeta
+from torch_dtorch.placement import PARTIAL_OPS, Partial, Placement, Replicate, Shard
+from torch_dtorch.placement_rules.call import LocalContext, OpCall
+from torch_dtorch.placement_rules.creation import draw_global, local_kwargs, rank_slice
+from torch_dtorch.placement_rules.pointwise import broadcast_shard_signatures
+from torch_dtorch.placement_rules.rule import OpRule, register_rule
+from torch_dtorch.placement_rules.signature import PlacementSignature, sig
+
+__all__ = ["CopyRule", "cast_keeps_partial", "copy_signatures"]
+
+aten = torch.ops.aten
+_R = Replicate()
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def cast_keeps_partial(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a Partial value cast from ``src`` to ``dst`` is still a Partial of the cast value."""
+    return src == dst or (_is_float(src) and _is_float(dst))
+
+
+def copy_signatures(call: OpCall, extra: Sequence[Sequence[Placement]] = ((),)) -> list[PlacementSignature]:
+    """Input 0 ``S(d) -> S(d)`` and (cast rule) ``P -> P``; ``extra`` lists placements of the trailing slots."""
+    x = call.inputs[0]
+    assert x is not None
+    sigs = []
+    for rest in extra:
+        sigs += [sig([Shard(d), *rest], Shard(d)) for d in range(x.ndim)]
+        if cast_keeps_partial(x.dtype, call.out_meta[0].dtype):
+            sigs += [sig([Partial(op), *rest], Partial(op)) for op in PARTIAL_OPS]
+    return sigs
+
+
+def _current(call: OpCall, slot: int) -> list[Placement]:
+    """``R`` and the placements slot ``slot`` currently has on any mesh axis (for slots lending only metadata)."""
+    found = {p for p in call.placements[slot] or () if p != _R}
+    return [_R, *sorted(found, key=str)]
+
+
+class CopyRule(OpRule):
+    """A copy or conversion of input 0; ``device`` arguments are the ``dtorch`` device (see the module docstring)."""
+
+    family = "misc"
+
+    def signatures(self, call: OpCall) -> Sequence[PlacementSignature]:
+        extra = [[q] for q in _current(call, 1)] if len(call.inputs) > 1 else [[]]
+        return copy_signatures(call, extra)
+
+    def infer_meta(self, call: OpCall) -> list[TensorMeta]:
+        if "device" in call.kwargs:
+            return super().infer_meta(
+                replace(call, kwargs={**call.kwargs, "device": torch.device("meta")}, _bound=None)
+            )
+        if call.op is aten.to.device and len(call.args) > 1:
+            args = (call.args[0], torch.device("meta"), *call.args[2:])
+            return super().infer_meta(replace(call, args=args, _bound=None))
+        return super().infer_meta(call)
+
+    def localize(self, call: OpCall, ctx: LocalContext) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return call.args, local_kwargs(call.kwargs)
+
+    def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if call.op is aten.to.device:
+            if len(args) > 1:
+                args = (args[0], args[0].device, *args[2:])
+            else:
+                kwargs = {**kwargs, "device": args[0].device}
+        return call.op(*args, **kwargs)
+
+
+@register_rule(aten.clone.default, aten._to_copy.default, family="misc")
+class _Copy(CopyRule):
+    """A fresh copy (optionally cast)."""
+
+
+@register_rule(
+    aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
+    aten.type_as.default, family="misc", intercept=True,
+)  # fmt: skip
+class _To(CopyRule):
+    """Composite conversions: intercepted so that placements are kept (they return ``self`` when nothing changes)."""
+
+
+@register_rule(aten.copy.default, family="misc")
+def copy(call: OpCall) -> list[PlacementSignature]:
+    """``self``'s layout with ``src``'s values (broadcast)."""
+    self_, src = call.inputs
+    assert self_ is not None and src is not None
+    sigs = broadcast_shard_signatures([self_.shape, src.shape], call.out_meta[0].shape)
+    if cast_keeps_partial(src.dtype, self_.dtype):
+        for op in PARTIAL_OPS:
+            p = Partial(op)
+            sigs += [sig([_R, p], p), sig([p, p], p)]
+    sigs += [sig([Partial(op), _R], _R) for op in PARTIAL_OPS]
+    return sigs
+
+
+@register_rule(aten.fill.Scalar, aten.fill.Tensor, family="misc")
+def fill(call: OpCall) -> list[PlacementSignature]:
+    """``S(d) -> S(d)`` (the value, a 0-d tensor for ``fill.Tensor``, is Replicate); no Partial."""
+    x = call.inputs[0]
+    assert x is not None
+    value = [_R] * (len(call.inputs) - 1)
+    return [sig([Shard(d), *value], Shard(d)) for d in range(x.ndim)]
+
+
+def _dropout_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, p, train = call.arg("input"), float(call.arg("p")), bool(call.arg("train"))
+    local = args[0]
+    if not train or p == 0 or p == 1 or x.numel() == 0:
+        return call.op(*args, **kwargs)  # no random numbers are drawn
+
+    def draw(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=local.device)
+        return noise.bernoulli_(1 - p, generator=gen)
+
+    # the output has the input's placements: the rank's block of the output is its block of the input
+    return local * rank_slice(draw_global(call, ctx, draw), ctx).div_(1 - p)
+
+
+def _check_dropout(call: OpCall) -> None:
+    p = float(call.arg("p"))
+    if not 0 <= p <= 1:
+        raise ShapeError(f"{call.op}: dropout probability has to be between 0 and 1, but got {p}")
+
+
+@register_rule(
+    aten.dropout.default, family="misc", intercept=True, kernel=_dropout_kernel, check=_check_dropout
+)
+def dropout(call: OpCall) -> list[PlacementSignature]:
+    """Shards kept; ``P(sum|avg)`` kept (one global mask makes dropout linear in its input)."""
+    x = call.inputs[0]
+    assert x is not None
+    return [sig([Shard(d)], Shard(d)) for d in range(x.ndim)] + [
+        sig([Partial(op)], Partial(op)) for op in ("sum", "avg")
+    ]
+
+
+def _check_one_hot(call: OpCall) -> None:
+    if call.arg("num_classes") is None or int(call.arg("num_classes")) < 0:
+        raise NotImplementedError(
+            f"{call.op}: num_classes=-1 needs the global maximum of the input (a data-dependent output size, a "
+            "sync); pass num_classes explicitly"
+        )
+
+
+@register_rule(aten.one_hot.default, family="misc", intercept=True, check=_check_one_hot)
+def one_hot(call: OpCall) -> list[PlacementSignature]:
+    """``S(d) -> S(d)`` for every input dim (the new class dim is whole on every rank)."""
+    x = call.inputs[0]
+    assert x is not None
+    return [sig([Shard(d)], Shard(d)) for d in range(x.ndim)]

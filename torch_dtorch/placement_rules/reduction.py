@@ -1,0 +1,224 @@
+"""Reduction family: sum, mean, amax/amin, max/min (full and ``.dim``), argmax/argmin, var/std/var_mean, prod,
+any/all, logsumexp, norm, and the scan ``cumsum``.
+
+Signatures (one mesh axis), for an input whose reduced dims are ``D`` (``dim=None`` and, except for ``any.dims`` /
+``all.dims``, an empty dim list mean every dim):
+
+- kept dim ``d`` (not in ``D``): ``S(d) -> S(d')`` for every output (values and indices alike), where ``d' = d`` with
+  ``keepdim=True`` and ``d`` minus the reduced dims before it otherwise.
+- reduced dim ``d`` (in ``D``), only where the reduction decomposes over shards:
+  ``sum -> P(sum)``; ``mean -> P(sum)`` (the kernel divides the local sum by the GLOBAL element count, so uneven
+  shards are exact); ``amax``/``max`` and ``any`` ``-> P(max)``; ``amin``/``min`` and ``all`` ``-> P(min)``. A rank
+  whose shard of a reduced dim is empty returns the reduction's identity (``-inf`` for max, ``False`` for any, ...).
+- Partial inputs: ``sum``/``mean``/``cumsum`` are linear: ``P(sum) -> P(sum)`` and ``P(avg) -> P(avg)`` (floating
+  input and output only: a cast to an integer dtype is not linear); ``amax``/``max``: ``P(max) -> P(max)``;
+  ``amin``/``min``: ``P(min) -> P(min)``. Every other Partial input is reduced first.
+- no signature for a sharded reduced dim (the matcher all-gathers that dim first): ``max.dim``/``min.dim`` (values
+  and global indices), ``argmax``/``argmin``, ``var``/``std``/``var_mean``, ``prod``, ``logsumexp``, ``norm``. Full
+  reductions of these (``prod.default``, ``argmax`` without ``dim``) are therefore Replicate only.
+- ``cumsum(dim)``: ``S(d) -> S(d)`` for ``d != dim``; ``P(sum|avg) -> P(sum|avg)`` for floating dtypes.
+
+All-Replicate is listed before the Partial pass-through signatures: an input that must move anyway (e.g. a
+sharded scanned dim) is gathered rather than turned into a zero-filled Partial, which costs the same to reach.
+A rank whose output block is empty (an empty shard of a kept dim) skips the op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torch_dtorch.placement import Partial, Shard
+from torch_dtorch.placement_rules.call import LocalContext, OpCall
+from torch_dtorch.placement_rules.rule import OpRule, register_rule
+from torch_dtorch.placement_rules.signature import PlacementSignature, all_replicate, sig
+
+__all__ = ["ReductionRule", "reduced_dims", "reduction_signatures"]
+
+aten = torch.ops.aten
+_LINEAR = ("sum", "avg")
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def reduced_dims(call: OpCall, *, empty_means_all: bool = True) -> tuple[list[int], bool]:
+    """Sorted non-negative reduced dims of input 0 and ``keepdim``, from the call's ``dim``/``keepdim`` arguments."""
+    x = call.inputs[0]
+    assert x is not None
+    ndim = x.ndim
+    dim = call.arg("dim")
+    if dim is None:
+        dims: Sequence[int] = range(ndim)
+    elif isinstance(dim, int):
+        dims = [dim]
+    else:
+        dims = list(dim) if (dim or not empty_means_all) else range(ndim)
+    norm = sorted({d % ndim for d in dims}) if ndim else []
+    return norm, bool(call.arg("keepdim", False))
+
+
+def reduction_signatures(
+    call: OpCall,
+    dims: Sequence[int],
+    keepdim: bool,
+    *,
+    sharded: str | None = None,
+    partials: Sequence[str] = (),
+) -> list[PlacementSignature]:
+    """Kept dims stay sharded; a sharded reduced dim gives ``P(sharded)``; ``P(p) -> P(p)`` for ``p`` in partials."""
+    x = call.inputs[0]
+    assert x is not None
+    n_out = call.num_outputs
+    sigs: list[PlacementSignature] = []
+    for d in range(x.ndim):
+        if d not in dims:
+            out_d = d if keepdim else d - sum(1 for r in dims if r < d)
+            sigs.append(sig([Shard(d)], [Shard(out_d)] * n_out))
+        elif sharded is not None:
+            sigs.append(sig([Shard(d)], [Partial(sharded)] * n_out))
+    sigs.append(all_replicate(1, n_out))  # before the Partials: on a cost tie, gather rather than zero-fill
+    linear_ok = _is_float(x.dtype) and all(_is_float(m.dtype) for m in call.out_meta)
+    for p in partials:
+        if p not in _LINEAR or linear_ok:
+            sigs.append(sig([Partial(p)], [Partial(p)] * n_out))
+    return sigs
+
+
+def _identity(reduce_op: str, dtype: torch.dtype) -> bool | int | float:
+    """The value a rank with nothing to reduce contributes to ``Partial(reduce_op)`` (``max`` or ``min``)."""
+    if dtype == torch.bool:
+        return reduce_op == "min"
+    if dtype.is_floating_point:
+        return math.inf if reduce_op == "min" else -math.inf
+    info = torch.iinfo(dtype)
+    return info.max if reduce_op == "min" else info.min
+
+
+class ReductionRule(OpRule):
+    """A reduction over ``dim`` of input 0. Subclasses set what a sharded reduced dim and Partial inputs give."""
+
+    family = "reduction"
+    #: Partial reduce op produced when a reduced dim is sharded (None: no such signature, the dim is gathered)
+    sharded: str | None = None
+    #: Partial reduce ops of the input that pass through to the outputs
+    partials: tuple[str, ...] = ()
+    #: an empty dim list reduces every dim (False for ``any.dims``/``all.dims``, where it reduces none)
+    empty_means_all: bool = True
+
+    def dims(self, call: OpCall) -> tuple[list[int], bool]:
+        return reduced_dims(call, empty_means_all=self.empty_means_all)
+
+    def signatures(self, call: OpCall) -> Sequence[PlacementSignature]:
+        dims, keepdim = self.dims(call)
+        return reduction_signatures(call, dims, keepdim, sharded=self.sharded, partials=self.partials)
+
+    def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The op on the shard; a rank whose output block is empty (an empty shard of a kept dim) skips it (torch
+        would warn, e.g. about var's degrees of freedom, on every such rank)."""
+        if any(math.prod(s) == 0 for s in ctx.out_shapes):
+            dev = args[0].device
+            outs = [torch.empty(s, dtype=m.dtype, device=dev) for s, m in zip(ctx.out_shapes, call.out_meta)]
+            return tuple(outs) if len(outs) > 1 else outs[0]
+        return call.op(*args, **kwargs)
+
+    def _local_is_whole(self, call: OpCall, x: torch.Tensor) -> tuple[bool, list[int], bool]:
+        """Whether this rank holds every element of the reduced dims (then the op runs unchanged)."""
+        dims, keepdim = self.dims(call)
+        src = call.inputs[0]
+        assert src is not None
+        return all(x.shape[d] == src.shape[d] for d in dims), dims, keepdim
+
+
+@register_rule(aten.sum.default, aten.sum.dim_IntList, family="reduction")
+class _Sum(ReductionRule):
+    sharded = "sum"
+    partials = _LINEAR
+
+
+@register_rule(aten.mean.default, aten.mean.dim, family="reduction")
+class _Mean(ReductionRule):
+    sharded = "sum"
+    partials = _LINEAR
+
+    def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A shard of a reduced dim contributes ``local_sum / global_count`` (exact with uneven shards)."""
+        x = args[0]
+        whole, dims, keepdim = self._local_is_whole(call, x)
+        if whole:
+            return super().kernel(call, ctx, args, kwargs)
+        src = call.inputs[0]
+        assert src is not None
+        count = math.prod(src.shape[d] for d in dims)
+        return torch.sum(x, dim=dims, keepdim=keepdim, dtype=call.out_meta[0].dtype).div_(count)
+
+
+class _Extremum(ReductionRule):
+    """amax/amin/max/min/any/all: a rank with an empty shard of a reduced dim contributes the identity."""
+
+    def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = args[0]
+        if x.numel() == 0 and self.sharded is not None and not self._local_is_whole(call, x)[0]:
+            dtype = call.out_meta[0].dtype
+            return torch.full(ctx.out_shapes[0], _identity(self.sharded, dtype), dtype=dtype, device=x.device)
+        return super().kernel(call, ctx, args, kwargs)
+
+
+@register_rule(aten.amax.default, aten.max.default, family="reduction")
+class _Max(_Extremum):
+    sharded = "max"
+    partials = ("max",)
+
+
+@register_rule(aten.amin.default, aten.min.default, family="reduction")
+class _Min(_Extremum):
+    sharded = "min"
+    partials = ("min",)
+
+
+@register_rule(aten.any.default, aten.any.dim, family="reduction")
+class _Any(_Extremum):
+    sharded = "max"
+
+
+@register_rule(aten.all.default, aten.all.dim, family="reduction")
+class _All(_Extremum):
+    sharded = "min"
+
+
+@register_rule(aten.any.dims, family="reduction")
+class _AnyDims(_Any):
+    empty_means_all = False
+
+
+@register_rule(aten.all.dims, family="reduction")
+class _AllDims(_All):
+    empty_means_all = False
+
+
+LOCAL_OPS = [
+    aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.var.correction,
+    aten.std.correction, aten.var_mean.correction, aten.prod.default, aten.prod.dim_int, aten.logsumexp.default,
+    aten.norm.ScalarOpt_dim,
+]  # fmt: skip
+
+
+@register_rule(*LOCAL_OPS, family="reduction")
+class _Local(ReductionRule):
+    """Reductions that are not a Partial of their shards: only kept dims stay sharded."""
+
+
+@register_rule(aten.cumsum.default, family="reduction")
+def cumsum(call: OpCall) -> list[PlacementSignature]:
+    """Scan along ``dim``: every other dim stays sharded; linear in a ``P(sum|avg)`` input."""
+    x = call.inputs[0]
+    assert x is not None
+    dim = call.arg("dim") % max(x.ndim, 1)
+    sigs = [sig([Shard(d)], Shard(d)) for d in range(x.ndim) if d != dim] + [all_replicate(1, 1)]
+    if _is_float(x.dtype) and _is_float(call.out_meta[0].dtype):
+        sigs += [sig([Partial(p)], Partial(p)) for p in _LINEAR]
+    return sigs

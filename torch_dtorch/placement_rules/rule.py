@@ -1,0 +1,334 @@
+"""``OpRule`` — the template every core operator follows — and the registry keyed by dispatcher overload.
+
+The skeleton (:meth:`OpRule.plan`) is fixed: check inputs -> infer output metadata -> placement signatures -> match
+per mesh axis -> assign devices/stream -> cost. Families override hooks only.
+
+Rules are registered at import by decorator, one file per op family::
+
+    @register_rule(aten.mm.default, family="matmul")
+    def mm(call: OpCall) -> list[PlacementSignature]: ...
+
+    @register_rule(aten.view.default, aten._unsafe_view.default, family="view", intercept=True)
+    class ViewRule(OpRule): ...
+
+``intercept=True`` puts the overload on the **intercept list**: the overloads the ``dtorch`` device must receive
+whole (views and semantic composite ops that the dispatcher would otherwise decompose before our key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_dtorch._compat import has_kernel_for_dispatch_key
+from torch_dtorch.config import RedistributePolicy, get_config
+from torch_dtorch.errors import NoRuleError, RuleRegistrationError, ShapeError
+from torch_dtorch.graph import AssignInfo, OperatorCost, TensorMeta
+from torch_dtorch.ops.cost import elementwise_cost
+from torch_dtorch.placement import Placements
+from torch_dtorch.placement_rules.call import LocalContext, OpCall, map_operands
+from torch_dtorch.placement_rules.matcher import Match, match
+from torch_dtorch.placement_rules.signature import PlacementSignature, all_replicate
+
+__all__ = [
+    "FunctionRule",
+    "OpPlan",
+    "OpRule",
+    "get_rule",
+    "intercept_list",
+    "register_rule",
+    "registered_ops",
+    "unregister_rule",
+]
+
+SignatureFn = Callable[[OpCall], Sequence[PlacementSignature]]
+KernelFn = Callable[[OpCall, LocalContext, tuple[Any, ...], dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """Everything the graph constructor needs to add one operator."""
+
+    out_meta: list[TensorMeta]
+    match: Match
+    assign: AssignInfo
+    cost: OperatorCost
+
+    @property
+    def out_placements(self) -> tuple[Placements, ...]:
+        return self.match.out_placements
+
+
+class OpRule:
+    """Base of every op's rule. Override :meth:`signatures`; the defaults below cover the rest."""
+
+    family: str = ""
+    #: stream the operator runs on: ``compute`` or ``comm``
+    stream: str = "compute"
+    #: the output is a view of input slot ``view_of`` (``None``: a fresh tensor)
+    view_of: int | None = None
+    ops: tuple[Any, ...] = ()
+
+    # --- the skeleton ---------------------------------------------------------------------------------------------
+    def plan(
+        self,
+        call: OpCall,
+        *,
+        policy: RedistributePolicy | None = None,
+        prefer_outputs: tuple[Placements, ...] | None = None,
+    ) -> OpPlan:
+        """The fixed skeleton. ``prefer_outputs`` asks for given output placements (factories with
+        ``placements=``): among matching signatures the one producing them wins, and if none does it is an error."""
+        policy = policy if policy is not None else get_config().redistribute
+        key = _plan_key(call, policy, prefer_outputs)
+        if key is not None:
+            hit = _PLAN_CACHE.get(key)
+            if hit is not None:
+                call.out_meta = hit.out_meta
+                return hit
+        self.check_inputs(call)
+        call.out_meta = self.infer_meta(call)
+        sigs = list(self.signatures(call))
+        n_in, n_out = len(call.inputs), len(call.out_meta)
+        if not any(s.is_all_replicate and len(s.inputs) == n_in for s in sigs):
+            sigs.append(all_replicate(n_in, n_out))
+        m = match(call, sigs, policy, prefer_outputs=prefer_outputs)
+        plan = OpPlan(call.out_meta, m, self.assign(call), self.cost(call))
+        if key is not None:
+            if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+                _PLAN_CACHE.clear()
+            _PLAN_CACHE[key] = plan
+        return plan
+
+    # --- abstract hooks -------------------------------------------------------------------------------------------
+    def signatures(self, call: OpCall) -> Sequence[PlacementSignature]:
+        """Legal placements on one mesh axis for this call (all-Replicate is added automatically)."""
+        raise NotImplementedError(f"{type(self).__name__}.signatures")
+
+    # --- defaults -------------------------------------------------------------------------------------------------
+    def check_inputs(self, call: OpCall) -> None:
+        """Reject bad arguments with a :class:`ShapeError` before anything is queued (default: nothing)."""
+
+    def infer_meta(self, call: OpCall) -> list[TensorMeta]:
+        """Global output metadata, by running the op on meta tensors."""
+        args, kwargs = call.to_meta_args()
+        try:
+            out = call.op(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised typed, with the operands named
+            described = "\n".join(f"    {x.describe()}" for x in call.present())
+            raise ShapeError(f"{call.op}: shape inference failed: {e}\n  arguments:\n{described}") from e
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        return [TensorMeta.of(t) for t in outs if isinstance(t, torch.Tensor)]
+
+    def localize(self, call: OpCall, ctx: LocalContext) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Args/kwargs of the local kernel on one rank (operands stay in place; the runtime swaps in shards).
+
+        The default passes the global arguments unchanged; ops whose arguments name sizes (views, factories,
+        ``split`` with uneven shards, ...) override it.
+        """
+        return call.args, call.kwargs
+
+    def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the local op on one rank with localized args (shards already substituted). Default: the op itself.
+
+        Override for ops whose local result is not the op on local arguments (e.g. random factories that must
+        generate the global tensor and keep the rank's slice, so results equal single-device torch)."""
+        return call.op(*args, **kwargs)
+
+    def assign(self, call: OpCall) -> AssignInfo:
+        devices = tuple(call.mesh.devices) if call.mesh is not None else ()
+        return AssignInfo(devices, self.stream)
+
+    def cost(self, call: OpCall) -> OperatorCost:
+        return elementwise_cost(call.inputs, call.out_meta)
+
+
+class FunctionRule(OpRule):
+    """A rule given as a plain function ``call -> signatures`` (plus optional hook functions)."""
+
+    def __init__(
+        self,
+        fn: SignatureFn,
+        *,
+        family: str,
+        localize: Callable[[OpCall, LocalContext], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+        cost: Callable[[OpCall], OperatorCost] | None = None,
+        check: Callable[[OpCall], None] | None = None,
+        kernel: KernelFn | None = None,
+        view_of: int | None = None,
+        stream: str = "compute",
+    ) -> None:
+        self._fn = fn
+        self._kernel = kernel
+        self.family = family
+        self._localize = localize
+        self._cost = cost
+        self._check = check
+        self.view_of = view_of
+        self.stream = stream
+        self.__doc__ = fn.__doc__
+
+    def signatures(self, call: OpCall) -> Sequence[PlacementSignature]:
+        return self._fn(call)
+
+    def check_inputs(self, call: OpCall) -> None:
+        if self._check is not None:
+            self._check(call)
+
+    def localize(self, call: OpCall, ctx: LocalContext) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._localize is not None:
+            return self._localize(call, ctx)
+        return super().localize(call, ctx)
+
+    def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._kernel is not None:
+            return self._kernel(call, ctx, args, kwargs)
+        return super().kernel(call, ctx, args, kwargs)
+
+    def cost(self, call: OpCall) -> OperatorCost:
+        if self._cost is not None:
+            return self._cost(call)
+        return super().cost(call)
+
+    def __repr__(self) -> str:
+        return f"FunctionRule({self._fn.__qualname__}, family={self.family!r})"
+
+
+_PLAN_CACHE: dict[tuple[Any, ...], OpPlan] = {}
+_PLAN_CACHE_SIZE = 8192
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    hash(v)
+    return v
+
+
+def _plan_key(
+    call: OpCall, policy: RedistributePolicy, prefer: tuple[Placements, ...] | None
+) -> tuple[Any, ...] | None:
+    """Plans depend only on the op, the inputs' metadata and placements, the mesh and the non-tensor args."""
+    try:
+        slots = tuple(
+            None if x is None else (x.shape, x.stride, x.dtype, pl)
+            for x, pl in zip(call.inputs, call.placements, strict=True)
+        )
+        consts = _hashable(map_operands((call.args, call.kwargs), lambda _: None))
+        return (call.op, call.mesh, slots, consts, policy, prefer)
+    except TypeError:  # an unhashable argument: plan without caching
+        return None
+
+
+def clear_plan_cache() -> None:
+    _PLAN_CACHE.clear()
+
+
+_RULES: dict[Any, OpRule] = {}
+_INTERCEPT: dict[Any, None] = {}
+
+
+def _check_op(op: Any) -> None:
+    if not isinstance(op, (torch._ops.OpOverload, str)):
+        raise RuleRegistrationError(
+            f"register_rule: {op!r} is not a dispatcher overload; register e.g. torch.ops.aten.mm.default, "
+            "not the packet torch.ops.aten.mm"
+        )
+
+
+def _is_composite_implicit(op: Any) -> bool:
+    """Composite ops decompose above the backend key, so the ``dtorch`` device must intercept them to see them."""
+    if isinstance(op, str):
+        return False
+    return has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd")
+
+
+def register_rule(
+    *ops: Any,
+    family: str,
+    intercept: bool = False,
+    localize: Callable[[OpCall, LocalContext], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+    cost: Callable[[OpCall], OperatorCost] | None = None,
+    check: Callable[[OpCall], None] | None = None,
+    kernel: KernelFn | None = None,
+    view_of: int | None = None,
+    stream: str = "compute",
+) -> Callable[[Any], Any]:
+    """Register a rule for one or more overloads. Decorates a function ``call -> signatures`` or an
+    :class:`OpRule` subclass (instantiated once). Registering an overload twice raises
+    :class:`RuleRegistrationError`. CompositeImplicitAutograd overloads join the intercept list automatically;
+    ``intercept=True`` adds others (views, which would otherwise arrive as anonymous ``as_strided``)."""
+
+    def deco(target: Any) -> Any:
+        if isinstance(target, OpRule):  # re-registering a rule object (e.g. one taken by unregister_rule)
+            rule: OpRule = target
+        elif isinstance(target, type) and issubclass(target, OpRule):
+            rule = target()
+            if not rule.family:
+                rule.family = family
+        else:
+            rule = FunctionRule(
+                target,
+                family=family,
+                localize=localize,
+                cost=cost,
+                check=check,
+                kernel=kernel,
+                view_of=view_of,
+                stream=stream,
+            )
+        for op in ops:
+            _check_op(op)
+            if op in _RULES:
+                raise RuleRegistrationError(
+                    f"register_rule: {op} already has a rule ({_RULES[op]!r}); an overload has exactly one rule — "
+                    "remove the other registration or use unregister_rule() first"
+                )
+        _PLAN_CACHE.clear()
+        for op in ops:
+            _RULES[op] = rule
+            if intercept or _is_composite_implicit(op):
+                _INTERCEPT[op] = None
+        rule.ops = tuple(rule.ops) + tuple(ops)
+        return target
+
+    return deco
+
+
+def unregister_rule(op: Any) -> OpRule:
+    """Remove and return a rule (for tests and for users replacing a built-in rule)."""
+    _PLAN_CACHE.clear()
+    _INTERCEPT.pop(op, None)
+    return _RULES.pop(op)
+
+
+def get_rule(op: Any) -> OpRule:
+    try:
+        return _RULES[op]
+    except KeyError:
+        raise NoRuleError(op) from None
+
+
+def registered_ops() -> list[Any]:
+    return list(_RULES)
+
+
+def intercept_list() -> list[Any]:
+    """Overloads the ``dtorch`` device registers kernels for so that they arrive whole (views, composites)."""
+    return list(_INTERCEPT)
+
+
+def rules_by_family() -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for op, rule in _RULES.items():
+        out.setdefault(rule.family, []).append(op)
+    return out
+
+
+def iter_rules() -> Iterable[tuple[Any, OpRule]]:
+    return _RULES.items()

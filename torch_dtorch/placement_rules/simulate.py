@@ -1,0 +1,183 @@
+"""Plain-torch simulation of distributed layouts: split a global tensor into per-rank shards, assemble it back, and
+run one op's local kernels on shards. Used by the rule and planner tests, the demo, and as the reference the runtime
+is checked against. Ranks are mesh coordinates; nothing here talks to a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import product
+from typing import Any
+
+import torch
+
+from torch_dtorch.graph import Operand, TensorMeta
+from torch_dtorch.placement import (
+    Partial,
+    Placement,
+    Placements,
+    Shard,
+    chunk_size_and_offset,
+    local_shape_and_offset,
+)
+from torch_dtorch.placement_rules.call import LocalContext, OpCall, map_operands
+
+__all__ = [
+    "Shards",
+    "assemble",
+    "coords",
+    "distribute",
+    "operand_for",
+    "partial_split",
+    "run_local",
+    "run_rank",
+]
+
+Coord = tuple[int, ...]
+Shards = dict[Coord, torch.Tensor]
+
+
+def coords(mesh_shape: Sequence[int]) -> list[Coord]:
+    return list(product(*(range(s) for s in mesh_shape)))
+
+
+def partial_split(t: torch.Tensor, n: int, reduce_op: str, gen: torch.Generator | None) -> list[torch.Tensor]:
+    """``n`` tensors whose reduction with ``reduce_op`` is ``t`` (random when ``gen`` is given, else trivial)."""
+    if n == 1:
+        return [t.clone()]
+    if reduce_op in ("sum", "avg"):
+        if gen is None or not t.is_floating_point():
+            zero = torch.zeros_like(t)
+            first = t * n if reduce_op == "avg" else t
+            return [first.clone()] + [zero.clone() for _ in range(n - 1)]
+        parts = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for _ in range(n - 1)]
+        rest = t * (n if reduce_op == "avg" else 1) - sum(parts)
+        return [*parts, rest]
+    if reduce_op in ("max", "min"):
+        if gen is None or not t.is_floating_point():
+            return [t.clone() for _ in range(n)]
+        sign = -1.0 if reduce_op == "max" else 1.0
+        parts = [t + sign * torch.rand(t.shape, generator=gen, dtype=t.dtype) for _ in range(n)]
+        parts[int(torch.randint(n, (1,), generator=gen))] = t.clone()
+        return parts
+    raise ValueError(f"unsupported Partial reduce op {reduce_op!r}")
+
+
+def distribute(
+    t: torch.Tensor,
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    *,
+    gen: torch.Generator | None = None,
+) -> Shards:
+    """Split ``t`` over a mesh: Shard chunks (nested from the first axis), Replicate copies, Partial splits."""
+    # Replicas must be identical: a Partial split below a Replicate axis is drawn once per distinct key
+    # (the coordinate without its Replicate axes) and shared by every replica.
+    out: dict[Coord, tuple[Coord, torch.Tensor]] = {(): ((), t)}
+    for size, p in zip(mesh_shape, placements, strict=True):
+        nxt: dict[Coord, tuple[Coord, torch.Tensor]] = {}
+        splits: dict[Coord, list[torch.Tensor]] = {}
+        for c, (key, local) in out.items():
+            if type(p) is Shard:
+                for i in range(size):
+                    length, start = chunk_size_and_offset(local.shape[p.dim], size, i)
+                    nxt[(*c, i)] = ((*key, i), local.narrow(p.dim, start, length).clone())
+            elif isinstance(p, Partial):
+                if key not in splits:
+                    splits[key] = partial_split(local, size, p.reduce_op, gen)
+                for i, part in enumerate(splits[key]):
+                    nxt[(*c, i)] = ((*key, i), part.clone())
+            else:
+                for i in range(size):
+                    nxt[(*c, i)] = (key, local.clone())
+        out = nxt
+    return {c: v for c, (_, v) in out.items()}
+
+
+def _reduce(parts: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
+    stacked = torch.stack(parts)
+    if reduce_op == "sum":
+        return stacked.sum(0)
+    if reduce_op == "avg":
+        return stacked.sum(0) / len(parts) if stacked.is_floating_point() else stacked.sum(0) // len(parts)
+    if reduce_op == "max":
+        return stacked.amax(0)
+    if reduce_op == "min":
+        return stacked.amin(0)
+    raise ValueError(f"unsupported Partial reduce op {reduce_op!r}")
+
+
+def assemble(
+    shards: Shards, mesh_shape: Sequence[int], placements: Sequence[Placement], *, check_replicas: bool = True
+) -> torch.Tensor:
+    """Inverse of :func:`distribute`: concatenate shards, reduce partials, and (optionally) check that replicas agree."""
+    cur: Shards = dict(shards)
+    for axis in reversed(range(len(mesh_shape))):
+        p = placements[axis]
+        nxt: Shards = {}
+        for c in coords(mesh_shape[:axis]):
+            group = [cur[(*c, i)] for i in range(mesh_shape[axis])]
+            if type(p) is Shard:
+                nxt[c] = torch.cat(group, dim=p.dim)
+            elif isinstance(p, Partial):
+                nxt[c] = _reduce(group, p.reduce_op)
+            else:
+                if check_replicas:
+                    for i, g in enumerate(group[1:], 1):
+                        if g.shape != group[0].shape or not torch.equal(g, group[0]):
+                            raise AssertionError(
+                                f"replicas differ on mesh axis {axis} at {(*c, i)} vs {(*c, 0)}"
+                            )
+                nxt[c] = group[0]
+        cur = nxt
+    return cur[()]
+
+
+def run_rank(
+    rule: Any,
+    call: OpCall,
+    coordinate: Coord,
+    mesh_shape: Sequence[int],
+    local: Sequence[torch.Tensor | None],
+    placements_out: Sequence[Placements],
+    *,
+    device: int = -1,
+) -> list[torch.Tensor]:
+    """One rank's local kernel: localize the call for this rank, substitute its shards, run the rule's kernel.
+
+    ``local`` holds this rank's shard of every tensor slot of ``call`` (``None`` for absent optional slots)."""
+    outs = [
+        local_shape_and_offset(m.shape, mesh_shape, pl, coordinate)
+        for m, pl in zip(call.out_meta, placements_out)
+    ]
+    ctx = LocalContext(
+        device=device,
+        coordinate=coordinate,
+        in_shapes=[tuple(t.shape) if t is not None else None for t in local],
+        out_shapes=[shape for shape, _ in outs],
+        out_offsets=[offset for _, offset in outs],
+    )
+    by_operand = {id(x): t for x, t in zip(call.inputs, local, strict=True) if x is not None}
+    args, kwargs = rule.localize(call, ctx)
+    args, kwargs = map_operands((args, kwargs), lambda o: by_operand[id(o)])
+    out = rule.kernel(call, ctx, args, kwargs)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def run_local(
+    rule: Any,
+    call: OpCall,
+    placements_out: Sequence[Placements],
+    local_inputs: dict[Coord, list[torch.Tensor | None]],
+    mesh_shape: Sequence[int],
+) -> dict[Coord, list[torch.Tensor]]:
+    """Run ``call.op`` on every rank's shards with the rule's localized arguments; outputs per rank."""
+    return {
+        c: run_rank(rule, call, c, mesh_shape, tensors, placements_out) for c, tensors in local_inputs.items()
+    }
+
+
+def operand_for(t: torch.Tensor, mesh: Any, placements: Placements, ident: int = 0) -> Operand:
+    """A free-standing operand describing ``t`` distributed with ``placements`` (for tests and the demo)."""
+    meta = TensorMeta.of(t)
+    return Operand(ident, meta.shape, meta.dtype, mesh, tuple(placements), stride=meta.stride)
