@@ -198,7 +198,7 @@ class OpCall:
             return torch.empty_strided(o.shape, o.stride or (), dtype=o.dtype, device="meta")
 
         args, kwargs = map_operands((self.args, self.kwargs), meta)
-        schema_args = list(getattr(self.op, "_schema").arguments) if hasattr(self.op, "_schema") else []
+        schema_args = list(self.op._schema.arguments) if hasattr(self.op, "_schema") else []
         names = [a.name for a in schema_args]
         if "device" in names:  # never allocate (or draw random numbers) for real during shape inference
             pos = names.index("device")
