@@ -1,0 +1,402 @@
+"""``EagerGraphExecutor``: records ops as they are called and streams them, batched, to a runner's workers.
+
+Every operator the :class:`~torch_dtorch.executor.constructor.GraphConstructor` adds becomes one instruction in a
+pending batch (the graph keeps nothing: ``LogicalGraph(record=False)``). The batch goes to the runner
+
+- when a value is requested (:meth:`EagerGraphExecutor.fetch`, :meth:`~EagerGraphExecutor.sync`),
+- when it holds ``batch_size`` instructions (``DTORCH_BATCH_SIZE``), or
+- after ``flush_interval_ms`` without a new op (``DTORCH_FLUSH_MS``; a daemon timer thread),
+
+so ``call`` returns as soon as the operator is recorded and the workers run behind the controller. All methods are
+thread-safe. Values come back as :class:`~torch_dtorch.executor.future.TensorFuture`, resolved in request order by
+one resolver thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torch_dtorch.config import RedistributePolicy, get_config
+from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
+from torch_dtorch.executor.future import TensorFuture
+from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
+from torch_dtorch.graph import LogicalGraph, Operand, Operator
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement import Placement, Replicate, local_shape_and_offset
+from torch_dtorch.placement_rules.simulate import assemble, distribute
+
+__all__ = ["EagerGraphExecutor"]
+
+log = logging.getLogger(__name__)
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_POLL_S = 0.1
+
+
+class EagerGraphExecutor:
+    """Streams operators to ``runner`` in batches.
+
+    Args:
+        runner: a :class:`~torch_dtorch.executor.thread_runner.ThreadRunner` (or any runner with ``devices``,
+            ``store``, ``submit(batch)`` and ``shutdown()``). The executor owns it: :meth:`shutdown` stops it.
+        batch_size: instructions per batch (default ``DTORCH_BATCH_SIZE``).
+        flush_interval_ms: flush pending work after this long without a new op (default ``DTORCH_FLUSH_MS``).
+        default_mesh / policy: passed to the :class:`GraphConstructor`.
+    """
+
+    def __init__(
+        self,
+        runner: Any,
+        *,
+        batch_size: int | None = None,
+        flush_interval_ms: float | None = None,
+        default_mesh: DeviceMesh | None = None,
+        policy: RedistributePolicy | None = None,
+    ) -> None:
+        cfg = get_config()
+        self.runner = runner
+        self.batch_size = int(batch_size if batch_size is not None else cfg.batch_size)
+        if self.batch_size < 1:
+            raise ValueError(f"EagerGraphExecutor: batch_size must be >= 1, got {batch_size}")
+        interval = flush_interval_ms if flush_interval_ms is not None else cfg.flush_ms
+        if interval < 0:
+            raise ValueError(f"EagerGraphExecutor: flush_interval_ms must be >= 0, got {flush_interval_ms}")
+        self.flush_interval = float(interval) / 1000.0
+        self.constructor = GraphConstructor(
+            LogicalGraph(record=False), default_mesh=default_mesh, policy=policy
+        )
+        self.constructor.listeners.append(self._on_operator)
+        self._lock = threading.RLock()
+        self._pending: list[Instruction] = []
+        self._last = 0.0
+        self._keys = itertools.count()
+        self._closed = False
+        self._wake = threading.Event()
+        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self.num_flushes = 0
+        self._timer = threading.Thread(target=self._timer_loop, name="dtorch-flush-timer", daemon=True)
+        self._timer.start()
+        self._resolver = threading.Thread(target=self._resolve_loop, name="dtorch-resolver", daemon=True)
+        self._resolver.start()
+
+    # --- recording ----------------------------------------------------------------------------------------------
+    @property
+    def graph(self) -> LogicalGraph:
+        return self.constructor.graph
+
+    def input(
+        self,
+        shape: Sequence[int],
+        mesh: DeviceMesh | None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        tag: str | None = None,
+    ) -> Operand:
+        """A new input operand (give it data with :meth:`upload` or :meth:`upload_shards`)."""
+        with self._lock:
+            return self.constructor.input(shape, mesh, placements, dtype=dtype, tag=tag)
+
+    def call(self, op: Any, *args: Any, **kwargs: Any) -> Any:
+        """Record ``op(*args, **kwargs)`` (see :meth:`GraphConstructor.call`); returns the output operand(s) at once."""
+        with self._lock:
+            self._check_open()
+            return self.constructor.call(op, *args, **kwargs)
+
+    def redistribute(
+        self, x: Operand, placements: Sequence[Placement], device_mesh: DeviceMesh | None = None
+    ) -> Operand:
+        """Record ``x.redistribute(device_mesh, placements)``; returns the new operand at once."""
+        with self._lock:
+            self._check_open()
+            return self.constructor.redistribute(x, placements, device_mesh=device_mesh)
+
+    def _on_operator(self, node: Operator) -> None:
+        call_site = _user_call_site() if get_config().debug else None
+        instr: Instruction = (
+            Redistribute(node, call_site) if node.op == REDISTRIBUTE else RunOp(node, call_site)
+        )
+        self._append(instr)
+
+    def _append(self, instr: Instruction) -> None:
+        # callers hold self._lock
+        pending = self._pending
+        pending.append(instr)
+        self._last = time.monotonic()
+        if len(pending) >= self.batch_size:
+            self._flush_locked()
+        elif len(pending) == 1:
+            self._wake.set()
+
+    # --- data in ------------------------------------------------------------------------------------------------
+    def upload(self, operand: Operand, value: torch.Tensor) -> None:
+        """Give ``operand`` the global ``value``: split per its placements (a Partial axis puts the value on the
+        group's first rank and zeros elsewhere), shards through the store, one ``Upload`` instruction."""
+        root = _root(operand, "upload")
+        if tuple(value.shape) != operand.shape or value.dtype != operand.dtype:
+            raise ValueError(
+                f"upload: {operand.describe()} needs a {operand.type_str()} tensor, got "
+                f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+            )
+        shards = distribute(value.detach(), root.shape, operand.root_placements, gen=None)
+        self._upload({d: shards[c] for d, c in root.coordinates()}, operand)
+
+    def upload_shards(self, operand: Operand, shards: Mapping[int, torch.Tensor]) -> None:
+        """Give ``operand`` one local tensor per device of its mesh (``from_local``); shapes and dtype are checked."""
+        root = _root(operand, "upload_shards")
+        devices = root.devices
+        missing = [d for d in devices if d not in shards]
+        extra = [d for d in shards if d not in devices]
+        if missing or extra:
+            raise ValueError(
+                f"upload_shards: {operand.describe()} needs one tensor for each device {devices}; "
+                f"missing {missing}, unexpected {extra}"
+            )
+        rp = operand.root_placements
+        for d, c in root.coordinates():
+            want = tuple(local_shape_and_offset(operand.shape, root.shape, rp, c)[0])
+            t = shards[d]
+            if tuple(t.shape) != want or t.dtype != operand.dtype:
+                raise ValueError(
+                    f"upload_shards: device {d} (rank {c}) of {operand.describe()} needs "
+                    f"{str(operand.dtype).removeprefix('torch.')}{list(want)}, got "
+                    f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                )
+        self._upload({d: shards[d].detach().clone() for d in devices}, operand)  # the store owns its tensors
+
+    def _upload(self, per_device: Mapping[int, torch.Tensor], operand: Operand) -> None:
+        with self._lock:
+            self._check_open()
+            key = next(self._keys)
+            store = self.runner.store
+            for d, t in per_device.items():
+                store.put((key, d), t)
+            self._append(Upload(operand, key))
+
+    # --- data out -----------------------------------------------------------------------------------------------
+    def fetch(self, operand: Operand) -> TensorFuture:
+        """Flush and return a future of ``operand``'s global value. Only the devices needed travel: every rank of a
+        Partial axis, one replica per shard otherwise."""
+        root = _root(operand, "fetch")
+        rp = operand.root_placements
+        device_at = {c: d for d, c in root.coordinates()}
+        keep = [not isinstance(p, Replicate) for p in rp]  # Shard and Partial ranks all count
+        rep = {c: tuple(i if k else 0 for i, k in zip(c, keep)) for c in device_at}
+        devices = tuple(sorted({device_at[r] for r in rep.values()}))
+        fut = TensorFuture(operand.name)
+        with self._lock:
+            self._check_open()
+            key = next(self._keys)
+            self._pending.append(Fetch(operand, key, devices))
+            self._flush_locked()
+            self._requests.put(
+                _Request(fut, key, devices, {c: device_at[r] for c, r in rep.items()}, root.shape, rp)
+            )
+        return fut
+
+    def fetch_local(self, operand: Operand, device: int) -> TensorFuture:
+        """Flush and return a future of the shard ``device`` holds (``to_local``), as a CPU copy."""
+        root = _root(operand, "fetch_local")
+        if device not in root.devices:
+            raise ValueError(f"fetch_local: device {device} is not in the mesh of {operand.describe()}")
+        fut = TensorFuture(f"{operand.name} on device {device}")
+        with self._lock:
+            self._check_open()
+            key = next(self._keys)
+            self._pending.append(Fetch(operand, key, (device,)))
+            self._flush_locked()
+            self._requests.put(_Request(fut, key, (device,), {}, (), (), local=device))
+        return fut
+
+    def free(self, operand: int | Operand) -> None:
+        """Drop an operand's blobs on every worker (batched: consecutive frees share one instruction)."""
+        oid = operand.id if isinstance(operand, Operand) else int(operand)
+        with self._lock:
+            if self._closed:
+                return  # freeing after shutdown (e.g. from a finalizer) is a no-op
+            pending = self._pending
+            if pending and type(pending[-1]) is Free:
+                last = pending[-1]
+                assert isinstance(last, Free)
+                pending[-1] = Free((*last.operand_ids, oid))
+                if len(last.operand_ids) + 1 >= self.batch_size:
+                    self._flush_locked()
+            else:
+                self._append(Free((oid,)))
+
+    # --- synchronization ----------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Send the pending instructions to the workers now."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        self.num_flushes += 1
+        self.runner.submit(batch)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Flush and wait until every worker has run everything issued so far (a barrier round trip)."""
+        with self._lock:
+            self._check_open()
+            key = next(self._keys)
+            self._pending.append(Barrier(key))
+            self._flush_locked()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for d in self.runner.devices:
+            self._store_take((key, d), deadline)
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the timer and the resolver, drop pending work and shut the runner down. Idempotent; futures still
+        pending fail with an error."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._pending = []
+        self._wake.set()
+        try:
+            self.runner.shutdown()
+        finally:
+            self._requests.put(None)
+            self._timer.join(5.0)
+            self._resolver.join(5.0)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> EagerGraphExecutor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("EagerGraphExecutor: used after shutdown()")
+
+    # --- threads ------------------------------------------------------------------------------------------------
+    def _timer_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._closed:
+                with self._lock:
+                    if not self._pending:
+                        break
+                    due = self._last + self.flush_interval - time.monotonic()
+                    if due <= 0:
+                        self._flush_locked()
+                        break
+                time.sleep(due)
+
+    def _resolve_loop(self) -> None:
+        while True:
+            req = self._requests.get()
+            if req is None:
+                break
+            try:
+                self._resolve(req)
+            except Exception as e:  # noqa: BLE001 - delivered to the waiting caller
+                req.future.set_exception(e)
+        # fail whatever is still queued (shutdown)
+        while True:
+            try:
+                req = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            if req is not None:
+                req.future.set_exception(
+                    RuntimeError("EagerGraphExecutor: shut down before the value arrived")
+                )
+
+    def _resolve(self, req: _Request) -> None:
+        by_device: dict[int, Any] = {}
+        for d in req.devices:  # take every entry, even after an error, so the store does not keep them
+            try:
+                by_device[d] = self._store_take((req.key, d), None)
+            except Exception as e:  # noqa: BLE001
+                by_device[d] = e
+        errors = [v for v in by_device.values() if isinstance(v, BaseException)]
+        if errors:
+            req.future.set_exception(errors[0])
+            return
+        if req.local is not None:
+            req.future.set_result(by_device[req.local])
+            return
+        shards = {c: by_device[d] for c, d in req.source.items()}
+        req.future.set_result(assemble(shards, req.mesh_shape, req.placements, check_replicas=False))
+
+    def _store_take(self, key: tuple[int, int], deadline: float | None) -> Any:
+        """Wait for ``key`` in the runner's store and remove it (polls so that shutdown is noticed)."""
+        store = self.runner.store
+        while True:
+            if self._closed:
+                raise RuntimeError("EagerGraphExecutor: shut down before the value arrived")
+            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"EagerGraphExecutor: no answer for {key} in time")
+            try:
+                return store.pop(key, wait)
+            except TimeoutError:
+                continue
+
+    def __repr__(self) -> str:
+        return (
+            f"EagerGraphExecutor({self.runner!r}, batch_size={self.batch_size}, pending={len(self._pending)})"
+        )
+
+
+class _Request:
+    __slots__ = ("future", "key", "devices", "source", "mesh_shape", "placements", "local")
+
+    def __init__(
+        self,
+        future: TensorFuture,
+        key: int,
+        devices: tuple[int, ...],
+        source: dict[tuple[int, ...], int],
+        mesh_shape: tuple[int, ...],
+        placements: tuple[Placement, ...],
+        *,
+        local: int | None = None,
+    ) -> None:
+        self.future = future
+        self.key = key
+        self.devices = devices
+        self.source = source  # mesh coordinate -> device whose shard stands for it
+        self.mesh_shape = mesh_shape
+        self.placements = placements
+        self.local = local  # fetch_local: the one device whose shard is the result
+
+
+def _root(operand: Operand, what: str) -> DeviceMesh:
+    if operand.mesh is None:
+        raise ValueError(f"{what}: {operand.describe()} is not bound to a mesh; use it with a mesh first")
+    return operand.mesh.root
+
+
+def _user_call_site() -> str | None:
+    """``file:line in fn`` of the innermost frame outside torch_dtorch and torch (``DTORCH_DEBUG=1`` only)."""
+    f = sys._getframe(1)
+    while f is not None:
+        path = f.f_code.co_filename
+        if not path.startswith(_PKG_DIR) and not path.startswith(_TORCH_DIR) and "threading.py" not in path:
+            return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back  # type: ignore[assignment]
+    return None

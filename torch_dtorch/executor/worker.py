@@ -1,0 +1,179 @@
+"""``Worker``: the state of one device — its blobs — and the interpreter of the instructions sent to it.
+
+A worker runs on its :class:`~torch_dtorch.runtime.stream.KernelStream` thread (thread mode) or as its own process
+(process mode, later issue). It receives every batch and skips the instructions that do not concern its device.
+Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.kernel`); unrelated operands keep working.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from torch_dtorch.config import get_config
+from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
+from torch_dtorch.runtime.blob import Blob, KernelError
+from torch_dtorch.runtime.kernel import Kernel, PoisonBoard
+from torch_dtorch.runtime.stream import COMPUTE, KernelStream
+
+__all__ = ["Worker"]
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Holds the blobs of one device and executes instructions for it.
+
+    Args:
+        device: device id (the worker's rank in every mesh).
+        torch_device: where its tensors live (``cpu``, ``cuda:i``).
+        comm: its communicator (e.g. ``collectives.memory.InMemoryComm``).
+        store: the TensorStore shared with the controller (uploads in, fetches and barrier markers out).
+        stream: its :class:`KernelStream` (CUDA streams/events); ``None`` runs everything on the caller's thread.
+        board: shared :class:`PoisonBoard` of the runner (thread mode).
+        validate: check kernel outputs (default: ``DTORCH_VALIDATE_KERNEL_IO``).
+    """
+
+    def __init__(
+        self,
+        device: int,
+        torch_device: torch.device | str,
+        comm: Any,
+        store: Any,
+        *,
+        stream: KernelStream | None = None,
+        board: PoisonBoard | None = None,
+        validate: bool | None = None,
+    ) -> None:
+        self.device = device
+        self.torch_device = torch.device(torch_device)
+        self.comm = comm
+        self.store = store
+        self.stream = stream
+        self.blobs: dict[int, Blob] = {}
+        cfg = get_config()
+        self.kernel = Kernel(
+            device,
+            self.torch_device,
+            self.blobs,
+            stream,
+            comm,
+            validate=cfg.validate_kernel_io if validate is None else validate,
+            board=board,
+        )
+        self._debug = cfg.debug
+        self.executed = 0  # instructions that concerned this device (for tests and stats)
+
+    # --- entry points -------------------------------------------------------------------------------------------
+    def run_batch(self, batch: Iterable[Instruction]) -> None:
+        for instr in batch:
+            self.execute(instr)
+
+    def execute(self, instr: Instruction) -> None:
+        """Execute one instruction if it concerns this device (never raises: failures become sticky errors)."""
+        t = type(instr)
+        if t is RunOp:
+            assert isinstance(instr, RunOp)
+            node = instr.node
+            if node.assign is None or self.device not in node.assign.devices:
+                return
+            self.executed += 1
+            self.kernel.run_op(node, instr=instr, call_site=self._call_site(instr))
+        elif t is Redistribute:
+            assert isinstance(instr, Redistribute)
+            node = instr.node
+            if node.assign is None or self.device not in node.assign.devices:
+                return
+            self.executed += 1
+            self.kernel.run_redistribute(node, instr=instr, call_site=self._call_site(instr))
+        elif t is Free:
+            assert isinstance(instr, Free)
+            pop = self.blobs.pop
+            for i in instr.operand_ids:
+                pop(i, None)
+        elif t is Upload:
+            assert isinstance(instr, Upload)
+            if self.kernel.holds(instr.operand):
+                self.executed += 1
+                self._upload(instr)
+        elif t is Fetch:
+            assert isinstance(instr, Fetch)
+            if self.device in instr.devices:
+                self.executed += 1
+                self._fetch(instr)
+        elif t is Barrier:
+            assert isinstance(instr, Barrier)
+            self._barrier(instr)
+        else:
+            log.error("worker %d: unknown instruction %r", self.device, instr)
+
+    # --- handlers -----------------------------------------------------------------------------------------------
+    def _upload(self, instr: Upload) -> None:
+        x = instr.operand
+        try:
+            value = self.store.pop((instr.key, self.device))
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"the store holds {type(value).__name__} under {(instr.key, self.device)}")
+            if self.stream is not None and self.stream.is_cuda:
+                with self.stream.use(COMPUTE):
+                    value = value.to(self.torch_device)
+            elif value.device != self.torch_device:
+                value = value.to(self.torch_device)
+            if self.kernel.validate:
+                self.kernel.check_output("upload", 0, value, x)
+            blob = Blob(value)
+            if self.stream is not None:
+                self.stream.stamp([blob], COMPUTE)
+        except KernelError as e:
+            blob = Blob(error=e)
+        except Exception as e:  # noqa: BLE001 - becomes the operand's sticky error
+            err = KernelError("upload", self.device, e, detail=f"of {x.describe()}")
+            err.__cause__ = e
+            blob = Blob(error=err)
+        self.blobs[x.id] = blob
+
+    def _fetch(self, instr: Fetch) -> None:
+        x = instr.operand
+        value: Any
+        b = self.blobs.get(x.id)
+        try:
+            if b is None:
+                value = KernelError(
+                    "fetch",
+                    self.device,
+                    f"{x.name} has no data on this worker (never uploaded or computed here, or already freed)",
+                )
+            elif b.error is not None:
+                value = b.error
+            else:
+                assert b.tensor is not None
+                if self.stream is not None and self.stream.is_cuda:
+                    self.stream.wait_for([b], COMPUTE)
+                    with self.stream.use(COMPUTE):
+                        value = b.tensor.to("cpu", copy=True)
+                else:
+                    value = b.tensor.clone()
+        except Exception as e:  # noqa: BLE001 - delivered to the controller instead of a tensor
+            value = KernelError("fetch", self.device, e, detail=f"of {x.name}")
+        self.store.put((instr.key, self.device), value)
+
+    def _barrier(self, instr: Barrier) -> None:
+        if self.stream is not None:
+            try:
+                self.stream.synchronize()
+            except Exception:  # noqa: BLE001 - the marker must still arrive
+                log.exception("worker %d: synchronize failed at a barrier", self.device)
+        self.store.put((instr.key, self.device), torch.empty(0))
+
+    def _call_site(self, instr: RunOp | Redistribute) -> str | None:
+        if instr.call_site is not None:
+            return instr.call_site
+        if self._debug:
+            return getattr(instr.node, "call_site", None)
+        return None
+
+    def __repr__(self) -> str:
+        return f"Worker({self.device}, {self.torch_device}, {len(self.blobs)} blobs)"

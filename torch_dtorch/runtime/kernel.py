@@ -1,0 +1,369 @@
+"""``Kernel``: runs one operator on one device.
+
+A kernel fetches the operator's local input blobs, computes — the rule's local kernel exactly as
+:func:`~torch_dtorch.placement_rules.simulate.run_rank` runs it (:func:`~torch_dtorch.runtime.local.run_local`) for ops, the collectives of a plan through
+:func:`~torch_dtorch.collectives.redistribute.execute_plan` for redistributes — and stores the output blobs.
+
+Errors are sticky: an exception poisons the outputs with a :class:`KernelError`; an operator with a poisoned input
+poisons its outputs without running. A redistribute still takes part in its collectives with zeros of the right local
+shape (so peers never hang), then poisons its output; with a shared :class:`PoisonBoard` (thread mode) every rank
+that received data from a poisoned rank poisons its output too, so no replica silently holds zeros.
+
+``DTORCH_VALIDATE_KERNEL_IO=1`` checks every local output's shape, dtype and device against the operand's inferred
+metadata and raises :class:`KernelIOError` (sticky like any kernel error).
+
+``before_hooks`` / ``after_hooks`` are called with ``(instruction, device)`` around every operator (tests use them to
+slow workers down or to count; the trace exporter will use them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from torch_dtorch.graph import Operand, Operator
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.runtime.blob import Blob, KernelError
+from torch_dtorch.runtime.local import local_shape, run_local
+from torch_dtorch.runtime.stream import COMM, COMPUTE, KernelStream
+
+__all__ = ["Kernel", "KernelIOError", "PoisonBoard", "after_hooks", "before_hooks"]
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[Any, int], None]
+#: called with ``(instruction, device)`` before / after every operator a kernel runs (or poisons)
+before_hooks: list[Hook] = []
+after_hooks: list[Hook] = []
+
+
+class KernelIOError(KernelError):
+    """A local kernel produced an output whose shape, dtype or device differs from the inferred metadata
+    (raised with ``DTORCH_VALIDATE_KERNEL_IO=1``, and always for a redistribute input of the wrong shape)."""
+
+
+class PoisonBoard:
+    """Redistribute outputs poisoned on some rank, shared by the workers of one process (thread mode).
+
+    A rank with a poisoned input posts *before* it enters the collectives, and every rank looks *after* leaving
+    them: whoever received data from the poisoned rank (directly or through another rank) is ordered after the post
+    by the collectives themselves, so it sees it. Entries are only made on errors; the oldest are dropped beyond
+    ``capacity``.
+    """
+
+    def __init__(self, *, capacity: int = 4096) -> None:
+        self._errors: OrderedDict[int, KernelError] = OrderedDict()
+        self._capacity = capacity
+
+    def post(self, operand_id: int, error: KernelError) -> None:
+        self._errors.setdefault(operand_id, error)
+        while len(self._errors) > self._capacity:
+            try:
+                self._errors.popitem(last=False)
+            except KeyError:
+                break
+
+    def get(self, operand_id: int) -> KernelError | None:
+        if not self._errors:
+            return None
+        return self._errors.get(operand_id)
+
+
+class _MeshInfo:
+    __slots__ = ("coord", "shape", "devices")
+
+    def __init__(self, root: DeviceMesh, device: int) -> None:
+        self.devices = frozenset(root.devices)
+        self.shape = root.shape
+        self.coord = root.coordinate_of(device) if device in self.devices else None
+
+
+class Kernel:
+    """Runs operators for one device over its blob table.
+
+    Args:
+        device: this worker's device id (its rank in every mesh).
+        torch_device: where its tensors live.
+        blobs: the worker's blob table (operand id -> :class:`Blob`), read and written in place.
+        stream: the worker's :class:`KernelStream` (CUDA streams and events).
+        comm: the worker's communicator, passed to ``execute_plan``.
+        validate: check every output against the inferred metadata (``DTORCH_VALIDATE_KERNEL_IO``).
+        board: shared :class:`PoisonBoard` (thread mode), or ``None``.
+        host_sync_collectives: on CUDA, make redistributes host-synchronous (needed by in-memory collectives).
+    """
+
+    def __init__(
+        self,
+        device: int,
+        torch_device: torch.device,
+        blobs: MutableMapping[int, Blob],
+        stream: KernelStream | None,
+        comm: Any,
+        *,
+        validate: bool = False,
+        board: PoisonBoard | None = None,
+        host_sync_collectives: bool = True,
+    ) -> None:
+        self.device = device
+        self.torch_device = torch_device
+        self.blobs = blobs
+        self.stream = stream
+        self.comm = comm
+        self.validate = validate
+        self.board = board
+        #: CUDA with in-memory collectives: a collective's results are computed by whichever rank's thread arrives
+        #: last, on its own stream, so a redistribute waits for its input on the host and for the device after.
+        self.host_sync_collectives = host_sync_collectives
+        self._meshes: dict[DeviceMesh, _MeshInfo] = {}
+        self._execute_plan: Callable[..., torch.Tensor | None] | None = None
+
+    @property
+    def execute_plan(self) -> Callable[..., torch.Tensor | None]:
+        """``collectives.redistribute.execute_plan`` (imported on first use)."""
+        if self._execute_plan is None:
+            from torch_dtorch.collectives.redistribute import execute_plan
+
+            self._execute_plan = execute_plan
+        return self._execute_plan
+
+    # --- metadata helpers ---------------------------------------------------------------------------------------
+    def mesh_info(self, mesh: DeviceMesh) -> _MeshInfo:
+        root = mesh.root
+        info = self._meshes.get(root)
+        if info is None:
+            info = self._meshes[root] = _MeshInfo(root, self.device)
+        return info
+
+    def local_shape(self, operand: Operand) -> tuple[int, ...]:
+        """Shape of ``operand``'s shard on this device (its global shape when unbound)."""
+        if operand.mesh is None:
+            return operand.shape
+        info = self.mesh_info(operand.mesh)
+        if info.coord is None:
+            raise KernelError(
+                "local shape", self.device, f"{operand.describe()} does not live on this device"
+            )
+        return local_shape(operand.shape, info.shape, operand.root_placements, info.coord)
+
+    def holds(self, operand: Operand) -> bool:
+        """Whether ``operand`` lives on this device."""
+        return operand.mesh is not None and self.device in self.mesh_info(operand.mesh).devices
+
+    # --- operators ----------------------------------------------------------------------------------------------
+    def run_op(self, node: Operator, *, instr: Any = None, call_site: str | None = None) -> None:
+        """Run one (non-redistribute) operator: ``node.payload`` is a ``BoundOp`` (rule + call)."""
+        if before_hooks:
+            _call_hooks(before_hooks, instr if instr is not None else node, self.device)
+        blobs = self.blobs
+        ins: list[Blob | None] = []
+        err: KernelError | None = None
+        for x in node.inputs:
+            if x is None:
+                ins.append(None)
+                continue
+            b = blobs.get(x.id)
+            if b is None:
+                err = self._missing(node, x, call_site)
+                break
+            if b.error is not None:
+                err = b.error
+                break
+            ins.append(b)
+        if err is None:
+            try:
+                self._compute(node, ins, call_site)
+            except KernelError as e:
+                err = e
+            except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
+                err = KernelError(node.name, self.device, e, call_site=call_site)
+                err.__cause__ = e
+        if err is not None:
+            log.debug("worker %d: %s poisoned: %s", self.device, node.name, err.op)
+            poisoned = Blob(error=err)
+            for o in node.outputs:
+                blobs[o.id] = poisoned
+        if after_hooks:
+            _call_hooks(after_hooks, instr if instr is not None else node, self.device)
+
+    def _compute(self, node: Operator, ins: list[Blob | None], call_site: str | None) -> None:
+        bound = node.payload
+        rule, call = bound.rule, bound.call
+        assert call.mesh is not None, f"{node.name}: operator without a mesh reached a worker"
+        info = self.mesh_info(call.mesh)
+        assert info.coord is not None
+        placements_out = [o.root_placements for o in node.outputs]
+        stream = self.stream
+        local = [b.tensor if b is not None else None for b in ins]
+        if stream is not None and stream.is_cuda:
+            stream.wait_for(ins, COMPUTE)
+            with stream.use(COMPUTE):
+                outs = run_local(
+                    rule,
+                    call,
+                    info.coord,
+                    info.shape,
+                    local,
+                    placements_out,
+                    device=self.device,
+                    torch_device=self.torch_device,
+                )
+        else:
+            outs = run_local(rule, call, info.coord, info.shape, local, placements_out, device=self.device)
+        if len(outs) != len(node.outputs):
+            raise KernelIOError(
+                node.name,
+                self.device,
+                f"the local kernel returned {len(outs)} tensors, the operator has {len(node.outputs)} outputs",
+                call_site=call_site,
+            )
+        if self.validate:
+            for i, (t, o) in enumerate(zip(outs, node.outputs)):
+                self.check_output(node.name, i, t, o, call_site)
+        new = [Blob(t) for t in outs]
+        if stream is not None:
+            stream.stamp(new, COMPUTE)
+        for o, b in zip(node.outputs, new):
+            self.blobs[o.id] = b
+
+    def run_redistribute(self, node: Operator, *, instr: Any = None, call_site: str | None = None) -> None:
+        """Run this rank's part of a redistribute (``node.payload`` is the ``RedistributePlan``)."""
+        if before_hooks:
+            _call_hooks(before_hooks, instr if instr is not None else node, self.device)
+        x = node.inputs[0]
+        y = node.outputs[0]
+        assert x is not None
+        plan = node.payload
+        err: KernelError | None = None
+        b: Blob | None = None
+        local: torch.Tensor | None = None
+        if self.holds(x):
+            expected = self.local_shape(x)
+            b = self.blobs.get(x.id)
+            if b is None:
+                err = self._missing(node, x, call_site)
+            elif b.error is not None:
+                err = b.error
+            else:
+                assert b.tensor is not None
+                got = b.tensor
+                if tuple(got.shape) != expected or got.dtype != x.dtype:
+                    err = KernelIOError(
+                        node.name,
+                        self.device,
+                        f"input {x.name} holds {_describe(got)} but {x.placements_str} on this rank needs "
+                        f"{_dtype(x.dtype)}{list(expected)}",
+                        call_site=call_site,
+                        detail="the operator that produced it returned a wrong local shape (see its rule's localize)",
+                    )
+            if err is not None:
+                # take part anyway with zeros of the right shape, so that peers never wait forever
+                b = None
+                local = torch.zeros(expected, dtype=x.dtype, device=self.torch_device)
+                if self.board is not None:
+                    self.board.post(y.id, err)
+            else:
+                assert b is not None
+                local = b.tensor
+        out: torch.Tensor | None = None
+        host_sync = False
+        try:
+            stream = self.stream
+            if stream is not None and stream.is_cuda:
+                host_sync = self.host_sync_collectives
+                if host_sync and b is not None and b.event is not None:
+                    b.event.synchronize()  # peers' threads read this tensor on their own streams
+                stream.wait_for([b], COMM)
+                with stream.use(COMM):
+                    out = self.execute_plan(plan, local, device=self.device, comm=self.comm)
+                if host_sync:
+                    # the result may have been computed on a peer thread's stream: wait for the device
+                    torch.cuda.synchronize(self.torch_device)
+            else:
+                out = self.execute_plan(plan, local, device=self.device, comm=self.comm)
+        except Exception as e:  # noqa: BLE001 - becomes the output's sticky error
+            if err is None:
+                err = KernelError(node.name, self.device, e, call_site=call_site, detail=f"plan: {node.note}")
+                err.__cause__ = e
+                if self.board is not None:
+                    self.board.post(y.id, err)
+        if self.holds(y):
+            if err is None and self.board is not None:
+                err = self.board.get(y.id)
+            if err is None and out is None:
+                err = KernelError(
+                    node.name, self.device, "the redistribute produced no local tensor on this rank"
+                )
+            if err is None and self.validate:
+                assert out is not None
+                try:
+                    self.check_output(node.name, 0, out, y, call_site)
+                except KernelIOError as e:
+                    err = e
+            if err is None:
+                assert out is not None
+                blob = Blob(out)
+                if self.stream is not None and not host_sync:
+                    self.stream.stamp([blob], COMM)
+                self.blobs[y.id] = blob
+            else:
+                self.blobs[y.id] = Blob(error=err)
+        if after_hooks:
+            _call_hooks(after_hooks, instr if instr is not None else node, self.device)
+
+    # --- checks -------------------------------------------------------------------------------------------------
+    def check_output(self, op: str, index: int, t: Any, o: Operand, call_site: str | None = None) -> None:
+        """Raise :class:`KernelIOError` unless ``t`` is this rank's shard of ``o`` (shape, dtype, device)."""
+        if not isinstance(t, torch.Tensor):
+            raise KernelIOError(
+                op, self.device, f"output {index} ({o.name}) is {type(t).__name__}, not a tensor"
+            )
+        expected = self.local_shape(o)
+        problems = []
+        if tuple(t.shape) != expected:
+            problems.append(f"shape {list(t.shape)}, expected {list(expected)}")
+        if t.dtype != o.dtype:
+            problems.append(f"dtype {_dtype(t.dtype)}, expected {_dtype(o.dtype)}")
+        if t.device != self.torch_device:
+            problems.append(f"device {t.device}, expected {self.torch_device}")
+        if problems:
+            where = o.mesh.describe(o.placements) if o.mesh is not None else "unbound"
+            raise KernelIOError(
+                op,
+                self.device,
+                f"output {index} ({o.name}: {o.type_str()} {where}) on rank {self._coord_str(o)}: "
+                + "; ".join(problems),
+                call_site=call_site,
+            )
+
+    def _coord_str(self, o: Operand) -> str:
+        if o.mesh is None:
+            return "-"
+        return str(self.mesh_info(o.mesh).coord)
+
+    def _missing(self, node: Operator, x: Operand, call_site: str | None) -> KernelError:
+        return KernelError(
+            node.name,
+            self.device,
+            f"input {x.name} has no data on this worker (never uploaded or computed here, or already freed)",
+            call_site=call_site,
+        )
+
+
+def _call_hooks(hooks: Sequence[Hook], instr: Any, device: int) -> None:
+    for h in list(hooks):
+        try:
+            h(instr, device)
+        except Exception:  # noqa: BLE001 - a broken hook must not break the worker
+            log.exception("kernel hook %r failed", h)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{_dtype(t.dtype)}{list(t.shape)}"
