@@ -1,16 +1,63 @@
 """torch-dtorch: one Python process (the controller) drives N devices as one.
 
-This release holds the foundation: device meshes, placements and their local-shape arithmetic, the LogicalGraph,
-placement rules with per-axis matching, and the redistribute planner. Workers, the ``dtorch`` device and the
-``torch.compile`` backend build on it.
+Example::
+
+    mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = dt.distribute_tensor(torch.randn(8, 16), mesh, [Shard(0), Replicate()])
+    y = torch.relu(x @ w)  # returns at once; the workers run it
+    y.full_tensor()  # blocks, returns a torch.Tensor
 """
 
 from __future__ import annotations
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from torch_dtorch import device as _device
+from torch_dtorch.api import (
+    distribute_tensor,
+    empty,
+    from_local,
+    full,
+    init_device_mesh,
+    ones,
+    rand,
+    randn,
+    redistribute,
+    redistribute_by_dict,
+    shutdown,
+    sync,
+    to_torch,
+    to_torch_async,
+    zeros,
+)
+from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.mesh import DeviceMesh
 
 __version__ = "0.1.0"
 
-__all__ = ["DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "__version__"]
+__all__ = [
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "TensorFuture",
+    "__version__",
+    "distribute_tensor",
+    "empty",
+    "from_local",
+    "full",
+    "init_device_mesh",
+    "ones",
+    "rand",
+    "randn",
+    "redistribute",
+    "redistribute_by_dict",
+    "shutdown",
+    "sync",
+    "to_torch",
+    "to_torch_async",
+    "zeros",
+]
+
+_device.setup()

@@ -37,6 +37,8 @@ _SPECIAL: dict[object, list[Sample]] = {
     aten.lgamma.default: [Sample((POS,))],
     aten.digamma.default: [Sample((POS,))],
     aten.reciprocal.default: [Sample((POS,))],
+    aten.isneginf.default: [Sample((X.masked_fill(X > 1, float("-inf")),))],
+    aten.isposinf.default: [Sample((X.masked_fill(X > 1, float("inf")),))],
     aten.logical_not.default: [Sample((BOOL,))],
     aten.bitwise_not.default: [Sample((INT,))],
     aten.pow.Tensor_Scalar: [Sample((X, 2))],

@@ -23,11 +23,40 @@ def _all_samples() -> dict[object, list[Sample]]:
     return out
 
 
+def _inplace_samples(samples: dict[object, list[Sample]]) -> None:
+    """In-place variants reuse their functional op's samples where torch accepts the in-place call (``self``
+    must already have the result's shape and a dtype the result casts to)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from torch_dtorch.placement_rules import get_rule
+    from torch_dtorch.placement_rules.inplace import InplaceRule
+
+    for op in registered_ops():
+        rule = get_rule(op)
+        if not isinstance(rule, InplaceRule) or op in samples:
+            continue
+        functional = rule.functional_op
+        usable = []
+        for sample in samples.get(functional, []):
+            if not sample.args or not isinstance(sample.args[0], torch.Tensor):
+                continue
+            args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (sample.args, sample.kwargs))
+            try:
+                out = op(*args, **kwargs)
+            except (RuntimeError, TypeError):
+                continue
+            if out.shape == sample.args[0].shape:
+                usable.append(sample)
+        samples[op] = usable
+
+
 SAMPLES = _all_samples()
+_inplace_samples(SAMPLES)
 
 
 def test_every_rule_has_samples() -> None:
-    missing = [str(op) for op in registered_ops() if op not in SAMPLES]
+    missing = [str(op) for op in registered_ops() if not SAMPLES.get(op)]
     assert not missing, f"rules without samples in tests/rules/samples_*.py: {missing}"
 
 

@@ -14,7 +14,7 @@ import torch
 from torch_dtorch.config import RedistributePolicy
 from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta, ViewInfo
 from torch_dtorch.mesh import DeviceMesh
-from torch_dtorch.placement import Placement, Placements, normalize_placements, placements_str
+from torch_dtorch.placement import Placement, Placements, Replicate, normalize_placements, placements_str
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.planner import RedistributePlan, plan_redistribute
 
@@ -69,7 +69,9 @@ class GraphConstructor:
         mesh = mesh if mesh is not None else self.default_mesh
         if mesh is None:
             return self.graph.add_input(shape, None, (), dtype=dtype, tag=tag)
-        pl = normalize_placements(placements or (), ndim=len(shape), mesh_ndim=mesh.ndim, what=tag or "input")
+        if placements is None:
+            placements = [Replicate()] * mesh.ndim
+        pl = normalize_placements(placements, ndim=len(shape), mesh_ndim=mesh.ndim, what=tag or "input")
         return self.graph.add_input(shape, mesh, pl, dtype=dtype, tag=tag)
 
     # --- ops ----------------------------------------------------------------------------------------------------
@@ -110,10 +112,16 @@ class GraphConstructor:
             )
             inputs[i] = self._redistribute(x, call.mesh, target)
         bound = BoundOp(rule, call.retarget(inputs, list(plan.match.in_targets)))
-        outputs = [
-            self._new_output(meta, pl, call, mesh_for_out, rule.view_of, inputs)
-            for meta, pl in zip(plan.out_meta, plan.out_placements, strict=True)
-        ]
+        if rule.output_is_input is not None:  # in-place: the output is the (pinned, unmoved) input itself
+            written = inputs[rule.output_is_input]
+            assert written is not None
+            _check_write_reaches_base(op, written)
+            outputs = [written]
+        else:
+            outputs = [
+                self._new_output(meta, pl, call, mesh_for_out, rule.view_of, inputs)
+                for meta, pl in zip(plan.out_meta, plan.out_placements, strict=True)
+            ]
         self._emit(
             op,
             args=bound.call.args,
@@ -161,6 +169,7 @@ class GraphConstructor:
         y = self.graph.new_operand(
             TensorMeta(x.shape, x.dtype), out_mesh, out_pl, requires_grad=x.requires_grad
         )
+        y.copy_of = x
         comm = plan.comm_bytes(x.itemsize)
         self._emit(
             REDISTRIBUTE,
@@ -223,6 +232,21 @@ class GraphConstructor:
 
     def last(self) -> Operator:
         return self.graph.operators[-1]
+
+
+def _check_write_reaches_base(op: Any, written: Operand) -> None:
+    """A write through a view lands in the base only if no redistribute copied anything on the way."""
+    x: Operand | None = written
+    while x is not None:
+        if x.copy_of is not None and x is not written:
+            raise NotImplementedError(
+                f"{op}: in-place write to {written.describe()}, a view of a redistributed copy of "
+                f"{x.copy_of.describe()}: the write would not reach the original tensor. Make the view from a "
+                "tensor whose placements the view keeps (e.g. do not index a sharded dim), or use the "
+                "out-of-place op"
+            )
+        x = x.base
+    return
 
 
 def _non_tensor_args(call: OpCall) -> tuple[Any, ...]:

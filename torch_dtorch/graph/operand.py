@@ -88,6 +88,9 @@ class Operand:
     view: ViewInfo | None = None
     requires_grad: bool = False
     tag: str | None = None
+    #: set on the output of a redistribute: the operand it is a re-laid-out copy of (a write to it or its views
+    #: does not reach the original)
+    copy_of: Operand | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.stride is None:

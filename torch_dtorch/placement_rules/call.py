@@ -191,10 +191,15 @@ class OpCall:
     def present(self) -> list[Operand]:
         return [x for x in self.inputs if x is not None]
 
-    def to_meta_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Args/kwargs with meta tensors in place of operands (and ``device='meta'``), for shape inference."""
+    def to_meta_args(self, *, contiguous: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Args/kwargs with meta tensors in place of operands (and ``device='meta'``), for shape inference.
+
+        ``contiguous=True`` ignores the operands' strides (dtorch tensors report contiguous strides to user code,
+        so code may ``view`` what is strided underneath; view rules retry that way)."""
 
         def meta(o: Operand) -> torch.Tensor:
+            if contiguous:
+                return torch.empty(o.shape, dtype=o.dtype, device="meta")
             return torch.empty_strided(o.shape, o.stride or (), dtype=o.dtype, device="meta")
 
         args, kwargs = map_operands((self.args, self.kwargs), meta)

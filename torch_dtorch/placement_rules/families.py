@@ -18,8 +18,9 @@ FAMILIES = (
 )
 
 for _name in FAMILIES:
-    try:
-        importlib.import_module(f"torch_dtorch.placement_rules.{_name}")
-    except ModuleNotFoundError as e:  # a family still being written: keep the package importable
-        if e.name != f"torch_dtorch.placement_rules.{_name}":
-            raise
+    importlib.import_module(f"torch_dtorch.placement_rules.{_name}")
+
+# in-place variants (add_, mul_, copy_, ...) derive from the functional rules registered above
+from torch_dtorch.placement_rules.inplace import register_inplace_variants  # noqa: E402
+
+register_inplace_variants()

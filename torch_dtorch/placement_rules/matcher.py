@@ -67,6 +67,7 @@ def match(
     policy: RedistributePolicy,
     *,
     prefer_outputs: tuple[Placements, ...] | None = None,
+    pinned: Sequence[int] = (),
 ) -> Match:
     mesh_shape = call.mesh.shape if call.mesh is not None else ()
     num_slots = len(call.inputs)
@@ -81,6 +82,8 @@ def match(
             if len(s.inputs) != num_slots or len(s.outputs) != num_outputs:
                 continue
             if wanted is not None and s.outputs != wanted:
+                continue
+            if any(current[i] is not None and s.inputs[i] != current[i] for i in pinned):
                 continue
             if s.matches(current):
                 best_sig = s

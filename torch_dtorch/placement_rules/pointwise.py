@@ -99,7 +99,7 @@ UNARY_OPS = [
     aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.bitwise_and.Scalar, aten.bitwise_or.Scalar,
     aten.floor_divide.Scalar, aten.pow.Scalar, aten.logit.default, aten.sinc.default, aten.deg2rad.default,
     aten.rad2deg.default, aten.signbit.default, aten.lgamma.default, aten.digamma.default, aten.erfc.default,
-    aten.angle.default, aten.positive.default,
+    aten.angle.default, aten.positive.default, aten.isneginf.default, aten.isposinf.default,
 ]  # fmt: skip
 
 UNARY_LINEAR_OPS = [aten.neg.default, aten.mul.Scalar, aten.div.Scalar]

@@ -70,6 +70,10 @@ class OpRule:
     stream: str = "compute"
     #: the output is a view of input slot ``view_of`` (``None``: a fresh tensor)
     view_of: int | None = None
+    #: input slots that must keep their placements (in-place ops write ``self`` where it is)
+    pinned_inputs: tuple[int, ...] = ()
+    #: the output IS input slot ``output_is_input`` (in-place ops), not a new value
+    output_is_input: int | None = None
     ops: tuple[Any, ...] = ()
 
     # --- the skeleton ---------------------------------------------------------------------------------------------
@@ -95,7 +99,7 @@ class OpRule:
         n_in, n_out = len(call.inputs), len(call.out_meta)
         if not any(s.is_all_replicate and len(s.inputs) == n_in for s in sigs):
             sigs.append(all_replicate(n_in, n_out))
-        m = match(call, sigs, policy, prefer_outputs=prefer_outputs)
+        m = match(call, sigs, policy, prefer_outputs=prefer_outputs, pinned=self.pinned_inputs)
         plan = OpPlan(call.out_meta, m, self.assign(call), self.cost(call))
         if key is not None:
             if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
@@ -116,7 +120,14 @@ class OpRule:
         """Global output metadata, by running the op on meta tensors."""
         args, kwargs = call.to_meta_args()
         try:
-            out = call.op(*args, **kwargs)
+            try:
+                out = call.op(*args, **kwargs)
+            except RuntimeError:
+                if self.family != "view":
+                    raise
+                # ``view`` of a strided value: the user's tensor claims contiguity; locally it is a reshape
+                args, kwargs = call.to_meta_args(contiguous=True)
+                out = call.op(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised typed, with the operands named
             described = "\n".join(f"    {x.describe()}" for x in call.present())
             raise ShapeError(f"{call.op}: shape inference failed: {e}\n  arguments:\n{described}") from e
@@ -265,7 +276,7 @@ def register_rule(
     ``intercept=True`` adds others (views, which would otherwise arrive as anonymous ``as_strided``)."""
 
     def deco(target: Any) -> Any:
-        if isinstance(target, OpRule):  # re-registering a rule object (e.g. one taken by unregister_rule)
+        if isinstance(target, OpRule):  # a rule object (re-registered, or derived like in-place variants)
             rule: OpRule = target
         elif isinstance(target, type) and issubclass(target, OpRule):
             rule = target()

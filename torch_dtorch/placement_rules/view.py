@@ -195,7 +195,17 @@ def _localize_size(name: str) -> Callable[[OpCall, LocalContext], tuple[tuple[An
     return lambda call, ctx: set_arg(call, name, list(ctx.out_shapes[0]))
 
 
-@_view(aten.view.default, aten._unsafe_view.default, localize=_localize_size("size"))
+def _view_or_reshape(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """dtorch tensors report contiguous strides on the controller, while a rank's shard may be a strided view
+    (after a transpose): the local ``view`` then falls back to ``reshape`` (a copy), as ``.contiguous().view``."""
+    x, size = args[0], args[1]
+    try:
+        return x.view(size)
+    except RuntimeError:
+        return x.reshape(size)
+
+
+@_view(aten.view.default, aten._unsafe_view.default, localize=_localize_size("size"), kernel=_view_or_reshape)
 def view(call: OpCall) -> list[PlacementSignature]:
     """Row-major reshape; a shard survives only where every rank's block maps onto its output chunk."""
     return _reshape_signatures(call)
@@ -228,7 +238,7 @@ def unflatten(call: OpCall) -> list[PlacementSignature]:
 @_view(
     aten.view_as.default,
     localize=lambda call, ctx: ((call.arg("self"), list(ctx.out_shapes[0])), {}),
-    kernel=_kernel_as(aten.view.default),
+    kernel=_view_or_reshape,
 )
 def view_as(call: OpCall) -> list[PlacementSignature]:
     """As ``view`` to ``other``'s shape; runs locally as ``view(x, local shape)``."""

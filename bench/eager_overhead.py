@@ -1,0 +1,89 @@
+"""Eager per-op overhead: torch eager vs upstream DTensor (world size 1, gloo) vs dtorch, in ONE run.
+
+dtorch's **controller issue time** is the time the Python call takes to return (the workers run asynchronously);
+end-to-end throughput (issue + workers finishing) is reported separately. Prints a table and the ratio
+dtorch issue time / DTensor time (target <= 0.5).
+
+    .venv/bin/python bench/eager_overhead.py [--iters 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh as UpstreamMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import distribute_tensor as upstream_distribute
+
+import torch_dtorch as dt
+
+
+def per_op_us(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(min(200, iters)):
+        fn()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    return best
+
+
+def ops(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
+    return {"add 16x16": lambda: a + b, "mm 16x16": lambda: a @ b, "view": lambda: a.view(256)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=3000)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    rows: dict[str, dict[str, float]] = {}
+
+    for name, fn in ops(a, b).items():
+        rows.setdefault(name, {})["torch"] = per_op_us(fn, args.iters)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    umesh = UpstreamMesh("cpu", [0])
+    ua, ub = upstream_distribute(a, umesh, [Replicate()]), upstream_distribute(b, umesh, [Replicate()])
+    for name, fn in ops(ua, ub).items():
+        rows[name]["DTensor"] = per_op_us(fn, args.iters)
+    dist.destroy_process_group()
+
+    for n in (1, 4):
+        mesh = dt.init_device_mesh("cpu", (n,))
+        placements = [Shard(0)] if n > 1 else [Replicate()]
+        da, db = dt.distribute_tensor(a, mesh, placements), dt.distribute_tensor(b, mesh, [Replicate()])
+        for name, fn in ops(da, db).items():
+            rows[name][f"dtorch issue {n}-dev"] = per_op_us(fn, args.iters)
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                fn()
+            dt.sync()
+            rows[name][f"dtorch e2e {n}-dev"] = (time.perf_counter() - t0) / args.iters * 1e6
+    dt.shutdown()
+
+    cols = list(next(iter(rows.values())).keys())
+    print(
+        f"# eager per-op overhead, µs/op ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})"
+    )
+    print("| op | " + " | ".join(cols) + " | issue 1-dev ÷ DTensor | issue 4-dev ÷ DTensor |")
+    print("|---" * (len(cols) + 3) + "|")
+    for name, r in rows.items():
+        ratio1 = r["dtorch issue 1-dev"] / r["DTensor"]
+        ratio4 = r["dtorch issue 4-dev"] / r["DTensor"]
+        print(f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + f" | {ratio1:.2f} | {ratio4:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

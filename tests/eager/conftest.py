@@ -1,0 +1,36 @@
+"""Eager tests run against real worker threads; the pool is shared by the whole session and reset at the end."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+import torch_dtorch as dt
+
+#: ``DTORCH_TEST_DEVICE=cuda`` runs the eager suite with every mesh simulated on one GPU (the device-tool run)
+TEST_DEVICE = os.environ.get("DTORCH_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cuda":  # reference tensors and inputs live on the GPU too, so comparisons need no moves
+    import torch
+
+    torch.set_default_device("cuda")
+
+
+def init_mesh(shape: Sequence[int] | int, **kwargs: object) -> dt.DeviceMesh:
+    if TEST_DEVICE == "cuda":
+        return dt.init_device_mesh("cuda", shape, simulate=True, **kwargs)  # type: ignore[arg-type]
+    return dt.init_device_mesh("cpu", shape, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shutdown_at_end() -> Iterator[None]:
+    yield
+    dt.shutdown()
+
+
+MESH_SHAPES = [(1,), (2,), (3,), (4,), (2, 2)]
+
+
+def mesh_ids(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))

@@ -1,0 +1,254 @@
+"""The eager API and the dtorch device: async issue, futures, errors, lifecycle, aliasing, factories, porting."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_dtorch as dt
+from tests.eager.conftest import init_mesh
+from torch_dtorch import Partial, Replicate, Shard
+from torch_dtorch.device.state import get_runtime
+from torch_dtorch.errors import AsStridedError, NoRuleError
+from torch_dtorch.runtime import kernel as kernel_mod
+
+
+def mesh4() -> dt.DeviceMesh:
+    return init_mesh((4,))
+
+
+def test_ops_return_before_the_workers_finish() -> None:
+    mesh = mesh4()
+    x = dt.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+    w = dt.distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])
+    dt.sync()
+
+    def slow(instr: object, device: int) -> None:
+        time.sleep(0.2)
+
+    kernel_mod.before_hooks.append(slow)
+    try:
+        t0 = time.perf_counter()
+        y = x @ w
+        issued = time.perf_counter() - t0
+        fut = dt.to_torch_async(y)
+        assert not fut.is_ready()
+        assert not fut.wait_for(50)
+        got = fut.get()
+        total = time.perf_counter() - t0
+    finally:
+        kernel_mod.before_hooks.remove(slow)
+    assert issued < 0.1 < 0.2 <= total, (issued, total)
+    torch.testing.assert_close(got, x.full_tensor() @ w.full_tensor())
+
+
+def test_futures_resolve_in_order_and_await() -> None:
+    import asyncio
+
+    mesh = mesh4()
+    xs = [dt.distribute_tensor(torch.full((5,), float(i)), mesh, [Shard(0)]) for i in range(20)]
+    futs = [dt.to_torch_async(x * 2) for x in xs]
+    done: list[int] = []
+    for i, f in enumerate(futs):
+        f.add_done_callback(lambda _f, i=i: done.append(i))
+    assert [f.get()[0].item() for f in futs] == [2.0 * i for i in range(20)]
+    assert done == sorted(done)
+
+    async def main() -> torch.Tensor:
+        return await dt.to_torch_async(xs[3] + 1)
+
+    assert asyncio.run(main())[0].item() == 4.0
+
+
+def test_kernel_failure_is_sticky_and_named_and_unrelated_work_continues(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch_dtorch.placement_rules import get_rule
+
+    mesh = mesh4()
+    x = dt.distribute_tensor(torch.randn(8, 3), mesh, [Shard(0)])
+    ok = dt.distribute_tensor(torch.ones(4), mesh, [Replicate()])
+    rule = get_rule(torch.ops.aten.sigmoid.default)
+
+    def broken(call, ctx, args, kwargs):  # noqa: ANN001, ANN202
+        if ctx.device == 2:
+            raise RuntimeError("planted failure")
+        return call.op(*args, **kwargs)
+
+    monkeypatch.setattr(rule, "_kernel", broken)
+    bad = torch.sigmoid(x)
+    worse = (bad * 2).sum(0)  # depends on the failed op: poisoned, never runs
+    dt.sync()  # errors stay with their tensors: sync does not raise
+    monkeypatch.undo()
+    with pytest.raises(dt.errors.DTorchError, match=r"aten\.sigmoid") as e:
+        worse.full_tensor()
+    assert "planted failure" in str(e.value) and "worker 2" in str(e.value)
+    torch.testing.assert_close((ok + 1).full_tensor(), torch.full((4,), 2.0))
+    torch.testing.assert_close(torch.sigmoid(x).full_tensor(), torch.sigmoid(x.full_tensor()))
+
+
+def test_freed_operands_do_not_accumulate() -> None:
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(16, 16), mesh, [Shard(0)])
+    ex = get_runtime().executor
+    dt.sync()
+    workers = ex.runner.workers
+    before = max(len(w.blobs) for w in workers.values())
+    y, want = x, x.full_tensor()
+    for _ in range(10_000):
+        y = torch.relu(y + 0.001)
+        want = torch.relu(want + 0.001)
+    dt.sync()
+    gc.collect()
+    dt.sync()
+    after = max(len(w.blobs) for w in workers.values())
+    assert after <= before + 8, (before, after)
+    torch.testing.assert_close(y.full_tensor(), want)
+
+
+def test_placements_survive_detach_parameter_and_data() -> None:
+    mesh = init_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    x = dt.distribute_tensor(torch.randn(6, 4), mesh, [Shard(0), Shard(1)])
+    p = torch.nn.Parameter(x)
+    for t in (x.detach(), p, p.data, x.data):
+        assert t.placements == (Shard(0), Shard(1)) and t.device_mesh == mesh
+    assert p.requires_grad and p.device.type == "dtorch"
+    torch.testing.assert_close(F.linear(torch.ones(3, 4).to("dtorch"), p).full_tensor(),
+                               F.linear(torch.ones(3, 4), x.full_tensor()))  # fmt: skip
+
+
+def test_as_strided_on_sharded_is_a_typed_error_and_fine_on_replicate() -> None:
+    mesh = mesh4()
+    x = dt.distribute_tensor(torch.arange(12.0), mesh, [Shard(0)])
+    with pytest.raises(AsStridedError, match="as_strided on %.*S\\(0\\)"):
+        torch.as_strided(x, (3, 2), (1, 3))
+    r = dt.distribute_tensor(torch.arange(12.0), mesh, [Replicate()])
+    assert torch.equal(
+        torch.as_strided(r, (3, 2), (1, 3)).full_tensor(), torch.arange(12.0).as_strided((3, 2), (1, 3))
+    )
+
+
+def test_unsupported_op_names_the_overload() -> None:
+    mesh = mesh4()
+    x = dt.distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    with pytest.raises(NoRuleError, match=r"(?s)aten\.cholesky\.default.*register_rule"):
+        torch.cholesky(x @ x.T)
+
+
+def test_factories_and_unbound_replicate_tensors() -> None:
+    mesh = init_mesh((3,))
+    z = dt.zeros(7, 2, device_mesh=mesh, placements=[Shard(0)])
+    assert z.placements == (Shard(0),) and torch.equal(z.full_tensor(), torch.zeros(7, 2))
+    x = dt.distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)])
+    # model code creating tensors on x.device: unbound Replicate, bound to x's mesh by its first consumer
+    pos = torch.arange(5, device=x.device)
+    y = x + pos
+    assert y.placements == (Shard(0),)
+    torch.testing.assert_close(y.full_tensor(), x.full_tensor() + torch.arange(5))
+    with mesh:
+        o = torch.ones(3, device="dtorch")
+        assert o.device_mesh == mesh and o.placements == (Replicate(),)
+    c = torch.tensor([1.0, 2.0]).to("dtorch")
+    assert torch.equal((c * 3).full_tensor(), torch.tensor([3.0, 6.0]))
+    assert torch.equal(c.cpu(), torch.tensor([1.0, 2.0]))
+
+
+def test_random_equals_torch_under_the_same_seed() -> None:
+    mesh = init_mesh((2, 2))
+    torch.manual_seed(7)
+    want = [torch.randn(5, 3), torch.rand(4), torch.randn(2, 2)]
+    torch.manual_seed(7)
+    a = dt.randn(5, 3, device_mesh=mesh, placements=[Shard(0), Shard(1)])
+    b = dt.rand(4, device_mesh=mesh, placements=[Replicate(), Shard(0)])
+    with mesh:
+        c = torch.randn(2, 2, device="dtorch")
+    for got, w in zip((a, b, c), want, strict=True):
+        assert torch.equal(got.full_tensor(), w)
+
+
+def test_redistribute_by_dict_and_partial() -> None:
+    mesh = init_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(5, 6)
+    d = dt.distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+    y = dt.redistribute_by_dict(d, {"tp": Replicate()})
+    assert y.placements == (Shard(0), Replicate())
+    p = d.redistribute(mesh, [Partial(), Shard(1)])
+    torch.testing.assert_close(p.full_tensor(), x)
+
+
+def test_second_init_reuses_or_restarts_the_pool() -> None:
+    a = init_mesh((2,))
+    rt = get_runtime()
+    b = init_mesh((2,))
+    assert get_runtime() is rt and a == b
+    x = dt.distribute_tensor(torch.ones(2), b, [Shard(0)])
+    big = init_mesh((8,))  # more devices than the pool has: a clean restart
+    assert get_runtime() is not rt and big.size() == 8
+    with pytest.raises(dt.errors.DTorchError, match="restarted|shut down"):
+        x + 1
+    dt.shutdown()
+    dt.shutdown()  # idempotent
+    m = init_mesh((2,))
+    assert torch.equal(dt.ones(2, device_mesh=m).full_tensor(), torch.ones(2))
+
+
+def test_methods_on_plain_tensors_raise_clearly() -> None:
+    with pytest.raises(dt.errors.DTorchError, match="only defined for dtorch tensors"):
+        _ = torch.ones(2).placements
+
+
+UPSTREAM_SNIPPET = """
+import torch
+from {module} import init_device_mesh, distribute_tensor, Shard, Replicate
+mesh = init_device_mesh("cpu", (2,))
+x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+y = (x * 2).redistribute(mesh, [Replicate()])
+result = y.full_tensor()
+"""
+
+
+def test_upstream_code_runs_with_only_the_import_changed() -> None:
+    import os
+    import subprocess
+    import sys
+
+    ours: dict[str, object] = {}
+    exec(UPSTREAM_SNIPPET.format(module="torch_dtorch"), ours)
+    # the same snippet against torch.distributed.tensor, in a single-rank gloo process group
+    code = (
+        "import os, torch.distributed as dist\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29541')\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        + UPSTREAM_SNIPPET.format(module="torch.distributed.tensor").replace("(2,)", "(1,)")
+        + "print(result.tolist())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    assert out.returncode == 0, out.stderr
+    assert eval(out.stdout.strip()) == ours["result"].tolist()  # type: ignore[attr-defined]
+
+
+def test_inplace_ops_write_through_views() -> None:
+    mesh = init_mesh((2,))
+    x = torch.arange(12.0).reshape(4, 3)
+    dx = dt.distribute_tensor(x.clone(), mesh, [Shard(0)])
+    v = dx.view(4, 3, 1)
+    col = dx[:, 1]  # a view along the unsharded dim: local on every rank
+    dx.add_(1)
+    col.mul_(10)
+    want = x + 1
+    want[:, 1] *= 10
+    assert torch.equal(dx.full_tensor(), want)
+    assert torch.equal(v.full_tensor(), want.view(4, 3, 1))
+    out = dt.zeros(4, 3, device_mesh=mesh, placements=[Shard(0)])
+    torch.add(dx, 1, out=out)
+    assert torch.equal(out.full_tensor(), want + 1)
+    # a view that needed a redistribute cannot carry a write back: refused, not silently lost
+    row = dx[1]
+    with pytest.raises(NotImplementedError, match="redistributed copy"):
+        row.mul_(2)

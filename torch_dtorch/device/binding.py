@@ -1,0 +1,97 @@
+"""Unbound Replicate operands: dtorch tensors made without a mesh bind to the mesh of their first consumer.
+
+``torch.arange(n, device=x.device)`` inside model code, ``torch.zeros(..., device="dtorch")`` and
+``cpu_tensor.to("dtorch")`` know no mesh. They become *unbound* operands that remember how to make themselves
+(the factory call, or the CPU value to upload); the first op that uses one next to a bound operand materializes it,
+Replicate, on that operand's mesh (once per mesh: pipeline stages each get their copy). Ops whose inputs are all
+unbound bind to the innermost ``with mesh:``, else to the mesh of the most recent op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_dtorch.errors import DTorchError
+from torch_dtorch.graph import Operand, TensorMeta
+from torch_dtorch.mesh import DeviceMesh, current_mesh
+from torch_dtorch.placement import Replicate
+
+if TYPE_CHECKING:
+    from torch_dtorch.device.state import Runtime
+
+__all__ = ["Deferred", "NoMeshError", "bind", "defer_factory", "defer_upload", "fallback_mesh"]
+
+
+class NoMeshError(DTorchError, RuntimeError):
+    """A dtorch tensor made without a mesh was used where no mesh can be inferred."""
+
+
+@dataclass
+class Deferred:
+    kind: str  # "factory" | "upload"
+    op: Any = None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    value: torch.Tensor | None = None
+    bound: dict[DeviceMesh, Operand] = field(default_factory=dict)
+
+
+_DEFERRED: dict[int, Deferred] = {}
+
+
+def _unbound(rt: Runtime, meta: TensorMeta, deferred: Deferred) -> Operand:
+    operand = rt.executor.constructor.graph.new_operand(meta, None, ())
+    _DEFERRED[operand.id] = deferred
+    return operand
+
+
+def defer_factory(
+    rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], meta: TensorMeta
+) -> Operand:
+    return _unbound(rt, meta, Deferred("factory", op, args, dict(kwargs)))
+
+
+def defer_upload(rt: Runtime, value: torch.Tensor) -> Operand:
+    value = value.detach()
+    return _unbound(rt, TensorMeta.of(value), Deferred("upload", value=value))
+
+
+def forget(operand: Operand) -> None:
+    _DEFERRED.pop(operand.id, None)
+
+
+def fallback_mesh(rt: Runtime, what: str) -> DeviceMesh:
+    mesh = current_mesh() or rt.last_mesh
+    if mesh is None:
+        raise NoMeshError(
+            f"{what}: this dtorch tensor was created without a mesh and nothing tells which mesh it belongs to; "
+            "create it inside `with mesh:` or with device_mesh=/placements=, or use it next to a distributed tensor"
+        )
+    return mesh
+
+
+def bind(rt: Runtime, x: Operand, mesh: DeviceMesh) -> Operand:
+    """The operand ``x`` materialized (Replicate) on ``mesh``; ``x`` itself when it is already bound."""
+    if x.mesh is not None:
+        return x
+    deferred = _DEFERRED.get(x.id)
+    if deferred is None:
+        raise NoMeshError(f"internal: unbound operand {x.name} has no recipe")
+    hit = deferred.bound.get(mesh)
+    if hit is not None:
+        return hit
+    ex = rt.executor
+    placements = [Replicate()] * mesh.ndim
+    if deferred.kind == "factory":
+        out = ex.call(
+            deferred.op, *deferred.args, device_mesh=mesh, placements=[placements], **deferred.kwargs
+        )
+    else:
+        assert deferred.value is not None
+        out = ex.constructor.input(tuple(x.shape), mesh, placements, dtype=x.dtype)
+        ex.upload(out, deferred.value)
+    deferred.bound[mesh] = out
+    return out

@@ -1,0 +1,170 @@
+"""Python kernels of the ``dtorch`` device: every intercepted overload goes through :func:`dispatch`, which turns
+tensors into operands, binds unbound ones, records the op through the executor and wraps the outputs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torch_dtorch.device import binding
+from torch_dtorch.device.state import Runtime, get_runtime
+from torch_dtorch.device.tensors import TABLE, is_dtorch
+from torch_dtorch.errors import DTorchError
+from torch_dtorch.graph import Operand, TensorMeta
+from torch_dtorch.placement import Replicate, is_partial, is_replicate
+from torch_dtorch.placement_rules import OpCall, get_rule
+
+__all__ = ["DeviceMismatchError", "dispatch", "operand_of", "wrap"]
+
+log = logging.getLogger(__name__)
+
+
+class DeviceMismatchError(DTorchError, RuntimeError):
+    """A non-dtorch tensor (other than a 0-d scalar) was mixed with dtorch tensors."""
+
+
+def _free_callback(rt: Runtime):  # noqa: ANN202 - closure factory
+    def on_free(operand: Operand) -> None:
+        from torch_dtorch.device.state import runtime_or_none
+
+        current = runtime_or_none()
+        if current is None or current.generation != rt.generation:
+            return
+        if operand.mesh is None:
+            deferred = binding._DEFERRED.pop(operand.id, None)
+            if deferred is not None:
+                for bound in deferred.bound.values():
+                    current.executor.free(bound.id)
+            return
+        current.executor.free(operand.id)
+
+    return on_free
+
+
+def wrap(rt: Runtime, operand: Operand) -> torch.Tensor:
+    return TABLE.wrap(operand, rt.generation, _free_callback(rt))
+
+
+def rebind(rt: Runtime, t: torch.Tensor, operand: Operand) -> None:
+    """Make the existing dtorch tensor ``t`` (and every alias of its storage) stand for ``operand``."""
+    TABLE.bind(t, operand, rt.generation, _free_callback(rt))
+
+
+def operand_of(t: torch.Tensor, rt: Runtime | None = None) -> Operand:
+    rt = rt or get_runtime()
+    return TABLE.lookup(t, rt.generation)
+
+
+def _to_operands(
+    rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, list[Operand]]:
+    found: list[Operand] = []
+
+    def conv(t: torch.Tensor) -> Operand:
+        if is_dtorch(t):
+            x = TABLE.lookup(t, rt.generation)
+        elif t.dim() == 0:
+            x = binding.defer_upload(rt, t)
+        else:
+            raise DeviceMismatchError(
+                f"{op}: expected all tensors on the dtorch device, but got a {t.device} tensor of shape "
+                f"{tuple(t.shape)}; move it with t.to('dtorch') or dt.distribute_tensor(t, mesh, placements)"
+            )
+        found.append(x)
+        return x
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, conv, (args, kwargs))
+    return args, kwargs, found
+
+
+#: drawn on the controller from torch's own generator, then uploaded: results and the RNG stream equal
+#: single-device torch under the same seed (O(global) on the controller, O(shard) per worker)
+RANDOM_OPS = {
+    torch.ops.aten.rand.default,
+    torch.ops.aten.randn.default,
+    torch.ops.aten.rand_like.default,
+    torch.ops.aten.randn_like.default,
+}
+
+
+def controller_device(rt: Runtime) -> torch.device:
+    return torch.device("cpu") if rt.device_type == "cpu" else torch.device(rt.device_type, 0)
+
+
+def _random(rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
+    dev = controller_device(rt)
+    if op in (torch.ops.aten.rand.default, torch.ops.aten.randn.default):
+        value = op(*args, device=dev, **kwargs)
+        mesh = binding.current_mesh()
+        if mesh is None:
+            return wrap(rt, binding.defer_upload(rt, value))
+        placements: Any = [torch.distributed.tensor.Replicate()] * mesh.ndim
+    else:
+        x = TABLE.lookup(args[0], rt.generation)
+        like = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=dev)
+        value = op(like, *args[1:], **kwargs)
+        if x.mesh is None:
+            return wrap(rt, binding.defer_upload(rt, value))
+        mesh, placements = x.mesh, [p if not is_partial(p) else Replicate() for p in x.placements]
+    operand = rt.executor.constructor.input(tuple(value.shape), mesh, placements, dtype=value.dtype)
+    rt.executor.upload(operand, value)
+    return wrap(rt, operand)
+
+
+def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Record ``op`` on dtorch tensors; returns dtorch tensors at once (the workers run it asynchronously)."""
+    rt = get_runtime()
+    if op in RANDOM_OPS:
+        return _random(rt, op, args, kwargs)
+    original_args = args
+    args, kwargs, operands = _to_operands(rt, op, args, kwargs)
+    bound = [x for x in operands if x.mesh is not None]
+    if bound:
+        mesh = bound[0].mesh
+    elif not operands:
+        if binding.current_mesh() is None:
+            # a factory with no mesh anywhere in sight: defer until a consumer gives it one
+            metas = get_rule(op).infer_meta(OpCall.make(op, args, kwargs))
+            if len(metas) == 1:
+                return wrap(rt, binding.defer_factory(rt, op, args, kwargs, metas[0]))
+        mesh = binding.fallback_mesh(rt, str(op))
+    else:
+        mesh = binding.fallback_mesh(rt, str(op))
+    assert mesh is not None
+    if len(bound) != len(operands):
+        args, kwargs = pytree.tree_map_only(Operand, lambda x: binding.bind(rt, x, mesh), (args, kwargs))
+    rt.last_mesh = mesh
+    out = rt.executor.call(op, *args, device_mesh=None if operands else mesh, **kwargs)
+    written = getattr(get_rule(op), "output_is_input", None)
+    if written is not None:  # in-place: the caller's tensor is the result
+        target = original_args[written]
+        if (
+            operands and operands[0].mesh is None
+        ):  # an unbound self was materialized: it now stands for the write
+            rebind(rt, target, out if isinstance(out, Operand) else out[0])
+        return target
+    return pytree.tree_map_only(Operand, lambda o: wrap(rt, o), out)
+
+
+def check_as_strided(op: Any, args: tuple[Any, ...]) -> None:
+    """``as_strided`` addresses global memory: only meaningful on a Replicate operand."""
+    x = args[0]
+    if is_dtorch(x):
+        operand = operand_of(x)
+        if operand.mesh is not None and not all(is_replicate(p) for p in operand.placements):
+            from torch_dtorch.errors import AsStridedError
+
+            raise AsStridedError(
+                f"{op}: as_strided on {operand.describe()} addresses the global tensor's memory, which a sharded "
+                "or partial tensor does not have in one piece. This usually comes from an op dtorch does not "
+                "intercept (so PyTorch decomposed it into as_strided); use a view op (view/transpose/narrow/...) "
+                "or redistribute the tensor to Replicate first."
+            )
+
+
+def meta_of(value: torch.Tensor) -> TensorMeta:
+    return TensorMeta.of(value)

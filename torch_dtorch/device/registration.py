@@ -1,0 +1,245 @@
+"""Registers the ``dtorch`` device: PrivateUse1 renamed, a Python kernel per intercepted/ruled overload, the
+special kernels every backend needs (empty, copies across devices, ``item``), and ``AutogradPrivateUse1`` kernels
+that decompose composite ops when an input requires grad (so backward stays possible)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torch_dtorch._compat import has_kernel_for_dispatch_key, setup_privateuse1_python_backend
+from torch_dtorch.device import kernels
+from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
+from torch_dtorch.placement_rules import intercept_list, registered_ops
+
+__all__ = ["ensure_registered", "registered_kernels"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_LOCK = threading.Lock()
+_DONE = False
+_LIBS: list[torch.library.Library] = []
+_KERNELS: dict[Any, str] = {}
+
+#: overloads with a hand-written kernel instead of the generic one
+_SPECIAL = {
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten.to.other,
+    aten._to_copy.default,
+    aten._copy_from.default,
+    aten._local_scalar_dense.default,
+    aten.empty_strided.default,
+    aten.as_strided.default,
+}
+
+
+def _generic(op: Any):  # noqa: ANN202
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return kernels.dispatch(op, args, kwargs)
+
+    kernel.__name__ = f"dtorch_{op}"
+    return kernel
+
+
+def _autograd(op: Any):  # noqa: ANN202
+    """Composite ops arrive whole unless an input requires grad; then they decompose so autograd sees primitives."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))
+        ):
+            return op.decompose(*args, **kwargs)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    device = kwargs.get("device")
+    if not is_dtorch(self):
+        # cpu/cuda tensor .to("dtorch"): an unbound Replicate value, uploaded when a mesh is known
+        from torch_dtorch.device import binding
+        from torch_dtorch.device.state import get_runtime
+
+        rt = get_runtime()
+        value = self.detach().to(dtype=kwargs.get("dtype") or self.dtype)
+        mesh = binding.current_mesh()
+        if mesh is None:
+            return kernels.wrap(rt, binding.defer_upload(rt, value.clone()))
+        operand = rt.executor.constructor.input(tuple(value.shape), mesh, None, dtype=value.dtype)
+        rt.executor.upload(operand, value)
+        return kernels.wrap(rt, operand)
+    if device is None or torch.device(device).type == DEVICE_NAME:
+        return kernels.dispatch(
+            aten._to_copy.default, (self,), {k: v for k, v in kwargs.items() if k != "device"}
+        )
+    # leaving the dtorch device: a sync point that gathers the global value
+    from torch_dtorch.api import to_torch
+
+    value = to_torch(self)
+    return value.to(device=device, dtype=kwargs.get("dtype") or value.dtype)
+
+
+def _leaving(op: Any, target: Any):  # noqa: ANN202
+    """``to`` overloads: stay on dtorch through the rule, or leave it (a sync point) when the target is elsewhere."""
+
+    def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        device = target(args, kwargs)
+        if device is None or torch.device(device).type == DEVICE_NAME:
+            return kernels.dispatch(op, (self, *args), kwargs)
+        from torch_dtorch.api import to_torch
+
+        return op(to_torch(self), *args, **kwargs)  # the same overload on the gathered torch tensor
+
+    return kernel
+
+
+def _device_kw(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return kwargs.get("device")
+
+
+def _device_pos(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("device")
+
+
+def _other_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    other = args[0] if args else kwargs.get("other")
+    return other.device if isinstance(other, torch.Tensor) else None
+
+
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    from torch_dtorch.api import to_torch
+    from torch_dtorch.device import binding
+    from torch_dtorch.device.state import get_runtime
+
+    rt = get_runtime()
+    if is_dtorch(dst) and not is_dtorch(src):
+        value = src.detach().to(dst.dtype).expand(dst.shape).clone()
+        dst_operand = kernels.operand_of(dst, rt)
+        if dst_operand.mesh is None:
+            kernels.rebind(rt, dst, binding.defer_upload(rt, value))
+        else:
+            new = rt.executor.constructor.input(
+                value.shape, dst_operand.mesh, dst_operand.placements, dtype=dst.dtype
+            )
+            rt.executor.upload(new, value)
+            kernels.rebind(rt, dst, new)
+        return dst
+    if is_dtorch(src) and not is_dtorch(dst):
+        dst.copy_(to_torch(src))
+        return dst
+    # dtorch -> dtorch: the functional copy, then dst's storage stands for the result
+    out = kernels.dispatch(aten.copy.default, (dst, src), {})
+    kernels.rebind(rt, dst, kernels.operand_of(out, rt))
+    return dst
+
+
+def _local_scalar_dense(self: torch.Tensor) -> Any:
+    from torch_dtorch.api import to_torch
+
+    return to_torch(self).item()
+
+
+def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> torch.Tensor:
+    return kernels.dispatch(aten.empty.memory_format, (list(size),), kwargs)
+
+
+def _as_strided(self: torch.Tensor, size: Any, stride: Any, storage_offset: Any = None) -> torch.Tensor:
+    kernels.check_as_strided(aten.as_strided.default, (self,))
+    return kernels.dispatch(aten.as_strided.default, (self, size, stride, storage_offset), {})
+
+
+def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Every overload that reaches the dtorch key without a kernel: a typed error naming it and the fix."""
+    from torch_dtorch.errors import NoRuleError
+
+    raise NoRuleError(op, detail="(it reached the dtorch device, which has no kernel for it)")
+
+
+#: overloads PyTorch implements by aliasing the storage (CompositeExplicitAutograd): registering a kernel would
+#: break ``nn.Parameter(t)`` and ``detach()``, which must return a tensor over the same storage with no Python object
+_GENERIC_ALIASES = {aten.detach.default, aten.alias.default}
+
+_SPECIAL_KERNELS = {
+    aten.to.dtype_layout: _leaving(aten.to.dtype_layout, _device_kw),
+    aten.to.device: _leaving(aten.to.device, _device_pos),
+    aten.to.other: _leaving(aten.to.other, _other_device),
+    aten._to_copy.default: _to_copy,
+    aten._copy_from.default: _copy_from,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.empty_strided.default: _empty_strided,
+    aten.as_strided.default: _as_strided,
+}
+
+
+def _out_kernel(out_op: Any, functional: Any):  # noqa: ANN202
+    """``op.out(..., out=t)``: the functional op, then an in-place ``copy_`` into each ``out`` tensor (so views of
+    ``out`` see the write)."""
+    out_names = [a.name for a in out_op._schema.arguments if a.is_out]
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        outs = [kwargs.pop(n) for n in out_names]
+        result = kernels.dispatch(functional, args, kwargs)
+        results = list(result) if isinstance(result, (list, tuple)) else [result]
+        for o, r in zip(outs, results, strict=True):
+            if tuple(o.shape) != tuple(r.shape):
+                raise NotImplementedError(
+                    f"{out_op}: out= tensor of shape {tuple(o.shape)} would be resized to {tuple(r.shape)}; "
+                    "dtorch tensors cannot be resized — pass an out tensor of the result's shape"
+                )
+            kernels.dispatch(aten.copy_.default, (o, r), {})
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return kernel
+
+
+def _schema_name(op: Any) -> str:
+    name = op._schema.name.split("::", 1)[1]
+    overload = op._overloadname
+    return name if overload == "default" else f"{name}.{overload}"
+
+
+def ensure_registered() -> None:
+    """Idempotent: rename PrivateUse1 to ``dtorch`` and register every kernel (once per process)."""
+    global _DONE
+    with _LOCK:
+        if _DONE:
+            return
+        setup_privateuse1_python_backend(DEVICE_NAME)
+        lib = torch.library.Library("aten", "IMPL")
+        _LIBS.append(lib)
+        ops = [op for op in registered_ops() if not isinstance(op, str) and op.namespace == "aten"]
+        for op in ops:
+            if op in _SPECIAL or op in _GENERIC_ALIASES:
+                continue
+            lib.impl(_schema_name(op), _generic(op), "PrivateUse1")
+            _KERNELS[op] = "generic"
+        from torch_dtorch.placement_rules.inplace import _OUT_TO_FUNCTIONAL
+
+        for out_op, functional in _OUT_TO_FUNCTIONAL.items():
+            if functional in _SPECIAL or functional in _GENERIC_ALIASES or out_op in _KERNELS:
+                continue
+            lib.impl(_schema_name(out_op), _out_kernel(out_op, functional), "PrivateUse1")
+            _KERNELS[out_op] = "out"
+        for op, fn in _SPECIAL_KERNELS.items():
+            lib.impl(_schema_name(op), fn, "PrivateUse1")
+            _KERNELS[op] = "special"
+        for op in intercept_list():
+            if not isinstance(op, str) and has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd"):
+                lib.impl(_schema_name(op), _autograd(op), "AutogradPrivateUse1")
+        fallback = torch.library.Library("_", "IMPL")
+        _LIBS.append(fallback)
+        fallback.fallback(_fallback, "PrivateUse1")
+        _DONE = True
+        log.debug("dtorch device registered: %d kernels", len(_KERNELS))
+
+
+def registered_kernels() -> dict[Any, str]:
+    return dict(_KERNELS)

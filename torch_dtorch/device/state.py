@@ -1,0 +1,117 @@
+"""The process-wide worker pool behind every mesh (one pool, shared by all meshes of the process)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from torch_dtorch.errors import DTorchError, MeshError
+
+if TYPE_CHECKING:
+    from torch_dtorch.executor.eager import EagerGraphExecutor
+    from torch_dtorch.mesh import DeviceMesh
+
+__all__ = ["NoRuntimeError", "Runtime", "get_runtime", "runtime_or_none", "shutdown", "start_runtime"]
+
+log = logging.getLogger(__name__)
+
+
+class NoRuntimeError(DTorchError, RuntimeError):
+    """A dtorch op ran before ``init_device_mesh`` started workers (or after ``shutdown``)."""
+
+
+@dataclass
+class Runtime:
+    device_type: str
+    num_devices: int
+    simulate: bool
+    executor: EagerGraphExecutor
+    generation: int
+    #: the mesh of the most recent op with a bound input: where tensors created without a mesh bind by default
+    last_mesh: DeviceMesh | None = None
+
+    def torch_device(self, device: int) -> torch.device:
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, 0 if self.simulate else device)
+
+
+_LOCK = threading.RLock()
+_RUNTIME: Runtime | None = None
+_GENERATION = 0
+
+
+def _check_devices(device_type: str, num_devices: int, simulate: bool) -> None:
+    if device_type == "cpu":
+        return
+    if device_type != "cuda":
+        raise MeshError(f"init_device_mesh: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if not torch.cuda.is_available():
+        raise MeshError(
+            "init_device_mesh('cuda', ...): CUDA is not available here; use 'cpu' to simulate the mesh"
+        )
+    have = torch.cuda.device_count()
+    if not simulate and num_devices > have:
+        raise MeshError(
+            f"init_device_mesh('cuda', ...): the mesh needs {num_devices} devices but {have} GPU(s) are visible; "
+            "pass simulate=True to run every rank on cuda:0, or use a smaller mesh"
+        )
+
+
+def start_runtime(device_type: str, num_devices: int, *, simulate: bool = False) -> Runtime:
+    """Start (or reuse) the worker pool. A compatible running pool with enough devices is reused; otherwise the
+    old pool is shut down cleanly first (a notebook cell re-run), which invalidates its tensors."""
+    global _RUNTIME, _GENERATION
+    _check_devices(device_type, num_devices, simulate)
+    with _LOCK:
+        rt = _RUNTIME
+        if (
+            rt is not None
+            and rt.device_type == device_type
+            and rt.simulate == simulate
+            and rt.num_devices >= num_devices
+        ):
+            return rt
+        if rt is not None:
+            log.info("restarting the dtorch worker pool (%d -> %d devices)", rt.num_devices, num_devices)
+            shutdown()
+        from torch_dtorch.executor.eager import EagerGraphExecutor
+        from torch_dtorch.executor.thread_runner import ThreadRunner
+
+        runner = ThreadRunner(list(range(num_devices)), device_type=device_type, simulate=simulate)
+        _GENERATION += 1
+        _RUNTIME = Runtime(device_type, num_devices, simulate, EagerGraphExecutor(runner), _GENERATION)
+        return _RUNTIME
+
+
+def runtime_or_none() -> Runtime | None:
+    return _RUNTIME
+
+
+def get_runtime() -> Runtime:
+    rt = _RUNTIME
+    if rt is None:
+        raise NoRuntimeError(
+            "no dtorch workers are running: create a mesh first with torch_dtorch.init_device_mesh(...)"
+        )
+    return rt
+
+
+def shutdown() -> None:
+    """Stop the workers (idempotent). dtorch tensors created before become unusable."""
+    global _RUNTIME
+    with _LOCK:
+        rt, _RUNTIME = _RUNTIME, None
+    if rt is not None:
+        try:
+            rt.executor.shutdown()
+        except Exception:  # noqa: BLE001 - shutdown must not raise at exit
+            log.exception("error while shutting down the dtorch workers")
+
+
+atexit.register(shutdown)

@@ -1,0 +1,96 @@
+"""dtorch tensors <-> operands.
+
+A dtorch tensor is a storage-less PrivateUse1 tensor with the global shape. Every tensor our kernels return gets a
+fresh (0-byte) storage, so the storage identifies the operand: ``detach()``, ``nn.Parameter(t)``, ``.data`` and
+``alias`` make new tensor objects over the same storage without calling the backend, and resolve for free. The
+table is keyed by the storage's Python object (stable for the storage's lifetime), never by ``id(tensor)``; a
+``weakref.finalize`` on the storage frees the operand's blobs on the workers when the last tensor over it dies.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from torch_dtorch._compat import create_empty_tensor
+from torch_dtorch.errors import DTorchError
+from torch_dtorch.graph import Operand
+
+__all__ = ["DEVICE_NAME", "StaleTensorError", "TensorTable", "is_dtorch"]
+
+DEVICE_NAME = "dtorch"
+
+
+class StaleTensorError(DTorchError, RuntimeError):
+    """A dtorch tensor from a worker pool that was shut down or restarted."""
+
+
+def is_dtorch(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == DEVICE_NAME
+
+
+@dataclass
+class _Entry:
+    operand: Operand
+    generation: int
+    shape: tuple[int, ...]
+
+
+class TensorTable:
+    """Maps storages of live dtorch tensors to operands; calls ``on_free(operand)`` when a storage dies."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Entry] = {}
+        self._lock = threading.Lock()
+
+    def wrap(self, operand: Operand, generation: int, on_free: Callable[[Operand], None]) -> torch.Tensor:
+        t = create_empty_tensor(list(operand.shape), operand.dtype)
+        self.bind(t, operand, generation, on_free)
+        return t
+
+    def bind(
+        self, t: torch.Tensor, operand: Operand, generation: int, on_free: Callable[[Operand], None]
+    ) -> None:
+        """Attach ``operand`` to ``t``'s storage (replacing what it held: a copy into the tensor)."""
+        storage = t.untyped_storage()
+        key = id(storage)
+        with self._lock:
+            known = key in self._entries
+            self._entries[key] = _Entry(operand, generation, tuple(t.shape))
+        if not known:
+            weakref.finalize(storage, self._finalize, key, on_free)
+
+    def _finalize(self, key: int, on_free: Callable[[Operand], None]) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is not None:
+            on_free(entry.operand)
+
+    def lookup(self, t: torch.Tensor, generation: int) -> Operand:
+        entry = self._entries.get(id(t.untyped_storage()))
+        if entry is None:
+            raise StaleTensorError(
+                f"this dtorch tensor (shape {tuple(t.shape)}) is not known to the running workers; it was made "
+                "by a worker pool that has been shut down or restarted — recreate it"
+            )
+        if entry.generation != generation:
+            raise StaleTensorError(
+                f"this dtorch tensor (shape {tuple(t.shape)}) belongs to a worker pool that was restarted "
+                "(init_device_mesh with other settings, or shutdown); recreate it on the new mesh"
+            )
+        if tuple(t.shape) != entry.shape:
+            raise DTorchError(
+                f"a dtorch tensor of shape {tuple(t.shape)} shares storage with one of shape {entry.shape}: it was "
+                "made by an aliasing op dtorch did not see (as_strided / set_ / resize_), which is not supported"
+            )
+        return entry.operand
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+TABLE = TensorTable()
