@@ -7,8 +7,8 @@ import logging
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from torch_dtorch._tree import map_only
 from torch_dtorch.device import binding
 from torch_dtorch.device.state import Runtime, get_runtime
 from torch_dtorch.device.tensors import TABLE, is_dtorch
@@ -44,8 +44,8 @@ def _free_callback(rt: Runtime):  # noqa: ANN202 - closure factory
     return on_free
 
 
-def wrap(rt: Runtime, operand: Operand) -> torch.Tensor:
-    return TABLE.wrap(operand, rt.generation, _free_callback(rt))
+def wrap(rt: Runtime, operand: Operand, *, view: bool = False) -> torch.Tensor:
+    return TABLE.wrap(operand, rt.generation, _free_callback(rt), view=view)
 
 
 def rebind(rt: Runtime, t: torch.Tensor, operand: Operand) -> None:
@@ -76,7 +76,7 @@ def _to_operands(
         found.append(x)
         return x
 
-    args, kwargs = pytree.tree_map_only(torch.Tensor, conv, (args, kwargs))
+    args, kwargs = map_only(torch.Tensor, conv, (args, kwargs))
     return args, kwargs, found
 
 
@@ -136,10 +136,11 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mesh = binding.fallback_mesh(rt, str(op))
     assert mesh is not None
     if len(bound) != len(operands):
-        args, kwargs = pytree.tree_map_only(Operand, lambda x: binding.bind(rt, x, mesh), (args, kwargs))
+        args, kwargs = map_only(Operand, lambda x: binding.bind(rt, x, mesh), (args, kwargs))
     rt.last_mesh = mesh
     out = rt.executor.call(op, *args, device_mesh=None if operands else mesh, **kwargs)
-    written = getattr(get_rule(op), "output_is_input", None)
+    rule = get_rule(op)
+    written = rule.output_is_input
     if written is not None:  # in-place: the caller's tensor is the result
         target = original_args[written]
         if (
@@ -147,7 +148,8 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ):  # an unbound self was materialized: it now stands for the write
             rebind(rt, target, out if isinstance(out, Operand) else out[0])
         return target
-    return pytree.tree_map_only(Operand, lambda o: wrap(rt, o), out)
+    view = rule.view_of is not None and not getattr(original_args[0], "is_inference", lambda: True)()
+    return map_only(Operand, lambda o: wrap(rt, o, view=view), out)
 
 
 def check_as_strided(op: Any, args: tuple[Any, ...]) -> None:

@@ -85,7 +85,12 @@ def start_runtime(device_type: str, num_devices: int, *, simulate: bool = False)
 
         runner = ThreadRunner(list(range(num_devices)), device_type=device_type, simulate=simulate)
         _GENERATION += 1
-        _RUNTIME = Runtime(device_type, num_devices, simulate, EagerGraphExecutor(runner), _GENERATION)
+        executor = EagerGraphExecutor(runner)
+        if device_type != "cpu":
+            executor.result_device = torch.device(
+                device_type, 0
+            )  # values come back where the controller computes
+        _RUNTIME = Runtime(device_type, num_devices, simulate, executor, _GENERATION)
         return _RUNTIME
 
 

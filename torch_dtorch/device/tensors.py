@@ -47,8 +47,16 @@ class TensorTable:
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
 
-    def wrap(self, operand: Operand, generation: int, on_free: Callable[[Operand], None]) -> torch.Tensor:
-        t = create_empty_tensor(list(operand.shape), operand.dtype)
+    def wrap(
+        self, operand: Operand, generation: int, on_free: Callable[[Operand], None], *, view: bool = False
+    ) -> torch.Tensor:
+        if view and torch.is_inference_mode_enabled():
+            # autograd's view bookkeeping links a view to its base's version counter, which an inference tensor
+            # lacks: a view of a normal tensor made under inference_mode must be a normal tensor (as in torch)
+            with torch.inference_mode(False):
+                t = create_empty_tensor(list(operand.shape), operand.dtype)
+        else:
+            t = create_empty_tensor(list(operand.shape), operand.dtype)
         self.bind(t, operand, generation, on_free)
         return t
 

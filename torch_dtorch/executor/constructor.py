@@ -220,18 +220,31 @@ class GraphConstructor:
 
     @staticmethod
     def _structure(op: Any, outputs: list[Operand]) -> Any:
-        schema = getattr(op, "_schema", None)
-        if schema is not None:
-            rets = schema.returns
-            if len(rets) == 1 and str(rets[0].type) == "List[Tensor]":
-                return outputs
-            if len(rets) == 1:
-                return outputs[0]
-            return tuple(outputs)
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        kind = _RETURN_KIND.get(op)
+        if kind is None:
+            kind = _RETURN_KIND[op] = _return_kind(op)
+        if kind == "list":
+            return outputs
+        if kind == "single" or (kind == "auto" and len(outputs) == 1):
+            return outputs[0]
+        return tuple(outputs)
 
     def last(self) -> Operator:
         return self.graph.operators[-1]
+
+
+_RETURN_KIND: dict[Any, str] = {}
+
+
+def _return_kind(op: Any) -> str:
+    """How an op returns its outputs: one tensor, a list (split), a tuple, or unknown (non-aten ops)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return "auto"
+    rets = schema.returns
+    if len(rets) == 1:
+        return "list" if str(rets[0].type) == "List[Tensor]" else "single"
+    return "tuple"
 
 
 def _check_write_reaches_base(op: Any, written: Operand) -> None:

@@ -44,6 +44,10 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _POLL_S = 0.1
 
 
+#: ids merged into one Free instruction at most (merging copies the tuple; keep it short)
+_FREE_CHUNK = 256
+
+
 class EagerGraphExecutor:
     """Streams operators to ``runner`` in batches.
 
@@ -66,6 +70,8 @@ class EagerGraphExecutor:
     ) -> None:
         cfg = get_config()
         self.runner = runner
+        #: where fetched values land (``None``: CPU); the device layer sets cuda:0 for CUDA meshes
+        self.result_device: torch.device | None = None
         self.batch_size = int(batch_size if batch_size is not None else cfg.batch_size)
         if self.batch_size < 1:
             raise ValueError(f"EagerGraphExecutor: batch_size must be >= 1, got {batch_size}")
@@ -226,7 +232,7 @@ class EagerGraphExecutor:
             if self._closed:
                 return  # freeing after shutdown (e.g. from a finalizer) is a no-op
             pending = self._pending
-            if pending and type(pending[-1]) is Free:
+            if pending and type(pending[-1]) is Free and len(pending[-1].operand_ids) < _FREE_CHUNK:  # type: ignore[union-attr]
                 last = pending[-1]
                 assert isinstance(last, Free)
                 pending[-1] = Free((*last.operand_ids, oid))
@@ -337,10 +343,13 @@ class EagerGraphExecutor:
             req.future.set_exception(errors[0])
             return
         if req.local is not None:
-            req.future.set_result(by_device[req.local])
-            return
-        shards = {c: by_device[d] for c, d in req.source.items()}
-        req.future.set_result(assemble(shards, req.mesh_shape, req.placements, check_replicas=False))
+            result = by_device[req.local]
+        else:
+            shards = {c: by_device[d] for c, d in req.source.items()}
+            result = assemble(shards, req.mesh_shape, req.placements, check_replicas=False)
+        if self.result_device is not None:
+            result = result.to(self.result_device)
+        req.future.set_result(result)
 
     def _store_take(self, key: tuple[int, int], deadline: float | None) -> Any:
         """Wait for ``key`` in the runner's store and remove it (polls so that shutdown is noticed)."""

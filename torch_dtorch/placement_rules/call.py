@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from torch_dtorch._tree import map_only
 from torch_dtorch.errors import PlacementError
 from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
@@ -26,7 +27,7 @@ def tensor_slot_types() -> frozenset[str]:
 
 def map_operands(tree: Any, fn: Callable[[Operand], Any]) -> Any:
     """Replace every :class:`Operand` leaf of ``tree`` (args, kwargs, nested lists) by ``fn(operand)``."""
-    return pytree.tree_map_only(Operand, fn, tree)
+    return map_only(Operand, fn, tree)
 
 
 def _bind(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,6 +42,28 @@ def _bind(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str
         elif a.name not in bound and a.has_default_value():
             bound[a.name] = a.default_value
     return bound
+
+
+_SLOT_SPECS: dict[Any, tuple[tuple[int | None, str, bool], ...]] = {}
+
+
+def _tensor_slots(op: Any) -> tuple[tuple[int | None, str, bool], ...]:
+    """Per op, once: (positional index or None, name, is a list) of every tensor argument, in schema order."""
+    spec = _SLOT_SPECS.get(op)
+    if spec is None:
+        out = []
+        pos = 0
+        for a in op._schema.arguments:
+            t = str(a.type)
+            index = None if a.kwarg_only else pos
+            if not a.kwarg_only:
+                pos += 1
+            if t in _TENSOR_TYPES:
+                out.append((index, a.name, False))
+            elif t in _TENSOR_LIST_TYPES:
+                out.append((index, a.name, True))
+        spec = _SLOT_SPECS[op] = tuple(out)
+    return spec
 
 
 @dataclass
@@ -100,14 +123,13 @@ class OpCall:
         if schema is None:
             leaves = pytree.tree_leaves((args, dict(kwargs)))
             return [x for x in leaves if isinstance(x, Operand)]
-        bound = _bind(op, args, kwargs)
         slots: list[Operand | None] = []
-        for a in schema.arguments:
-            t = str(a.type)
-            v = bound.get(a.name)
-            if t in _TENSOR_TYPES:
+        n = len(args)
+        for pos, name, is_list in _tensor_slots(op):
+            v = args[pos] if pos is not None and pos < n else kwargs.get(name)
+            if not is_list:
                 slots.append(v if isinstance(v, Operand) else None)
-            elif t in _TENSOR_LIST_TYPES and v is not None:
+            elif v is not None:
                 slots.extend(x if isinstance(x, Operand) else None for x in v)
         return slots
 

@@ -26,10 +26,10 @@ import torch
 from torch_dtorch._compat import has_kernel_for_dispatch_key
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.errors import NoRuleError, RuleRegistrationError, ShapeError
-from torch_dtorch.graph import AssignInfo, OperatorCost, TensorMeta
+from torch_dtorch.graph import AssignInfo, Operand, OperatorCost, TensorMeta
 from torch_dtorch.ops.cost import elementwise_cost
 from torch_dtorch.placement import Placements
-from torch_dtorch.placement_rules.call import LocalContext, OpCall, map_operands
+from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.matcher import Match, match
 from torch_dtorch.placement_rules.signature import PlacementSignature, all_replicate
 
@@ -212,11 +212,15 @@ _PLAN_CACHE: dict[tuple[Any, ...], OpPlan] = {}
 _PLAN_CACHE_SIZE = 8192
 
 
-def _hashable(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return tuple(_hashable(x) for x in v)
-    if isinstance(v, dict):
-        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+def _const_key(v: Any) -> Any:
+    """A hashable stand-in for the non-tensor structure of the arguments (operands become None)."""
+    t = type(v)
+    if t is tuple or t is list:
+        return tuple([_const_key(x) for x in v])
+    if t is dict:
+        return tuple(sorted((k, _const_key(x)) for k, x in v.items()))
+    if isinstance(v, Operand):
+        return None
     hash(v)
     return v
 
@@ -230,8 +234,7 @@ def _plan_key(
             None if x is None else (x.shape, x.stride, x.dtype, pl)
             for x, pl in zip(call.inputs, call.placements, strict=True)
         )
-        consts = _hashable(map_operands((call.args, call.kwargs), lambda _: None))
-        return (call.op, call.mesh, slots, consts, policy, prefer)
+        return (call.op, call.mesh, slots, _const_key(call.args), _const_key(call.kwargs), policy, prefer)
     except TypeError:  # an unhashable argument: plan without caching
         return None
 
