@@ -64,36 +64,3 @@ def test_poison_board_capacity() -> None:
     assert board.get(0) is None and board.get(4) is errs[4]
     board.post(4, errs[0])  # first post wins
     assert board.get(4) is errs[4]
-
-
-def test_run_local_equals_run_rank() -> None:
-    from torch_dtorch.executor.constructor import GraphConstructor
-    from torch_dtorch.mesh import DeviceMesh
-    from torch_dtorch.placement import Replicate, Shard
-    from torch_dtorch.placement_rules.simulate import distribute, run_rank
-    from torch_dtorch.runtime.local import run_local
-
-    aten = torch.ops.aten
-    mesh = DeviceMesh.from_shape("cpu", (3,))
-    g = GraphConstructor(default_mesh=mesh)
-    a, b = torch.randn(7, 4), torch.randn(7, 4)
-    xa, xb = g.input(a.shape, mesh, [Shard(0)]), g.input(b.shape, mesh, [Shard(0)])
-    w = g.input((4,), mesh, [Replicate()])
-    g.call(aten.cat.default, [xa, xb], 1)  # a list of operands
-    g.call(aten.view.default, xa, [7, 2, 2])  # a localized size
-    g.call(aten.layer_norm.default, xa, [4], w, None)  # an absent optional tensor
-    g.call(aten.sum.dim_IntList, xb, [1], True)
-    g.call(aten.arange.default, 5, device_mesh=mesh, placements=[[Shard(0)]])
-    shards = {
-        xa.id: distribute(a, mesh.shape, xa.placements),
-        xb.id: distribute(b, mesh.shape, xb.placements),
-        w.id: distribute(torch.randn(4), mesh.shape, w.placements),
-    }
-    for node in g.graph.operators:
-        bound = node.payload
-        pl = [o.root_placements for o in node.outputs]
-        for device, coord in mesh.coordinates():
-            local = [shards[x.id][coord] if x is not None else None for x in node.inputs]
-            want = run_rank(bound.rule, bound.call, coord, mesh.shape, local, pl, device=device)
-            got = run_local(bound.rule, bound.call, coord, mesh.shape, local, pl, device=device)
-            assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want)), node.name

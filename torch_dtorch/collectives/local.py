@@ -14,6 +14,7 @@ import torch
 from torch_dtorch.collectives.errors import CollectiveMismatchError
 from torch_dtorch.collectives.group import check_reduce_op
 from torch_dtorch.placement import chunk_size_and_offset
+from torch_dtorch.placement_rules.simulate import reduce_tensors as _reduce_tensors
 
 __all__ = [
     "all_gather_results",
@@ -41,19 +42,9 @@ def chunk(t: torch.Tensor, dim: int, num_chunks: int, index: int) -> torch.Tenso
 
 
 def reduce_tensors(parts: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Reduce equally shaped tensors into a new tensor (``avg`` = sum / n, floor division for integers): stacked
-    in rank order and reduced over the stack dim. Same kernels as ``plan_sim.reduce_tensors``, hence bit-identical
-    results. (For 5 or more float parts torch's reduction is not a left-to-right sum; it is deterministic.)"""
+    """The simulator's reduction (one kernel for runtime and reference: bit-identical), with the op checked."""
     check_reduce_op(op)
-    stacked = torch.stack(list(parts))
-    if op == "sum":
-        return stacked.sum(0)
-    if op == "avg":
-        total = stacked.sum(0)
-        return total / len(parts) if total.is_floating_point() else total // len(parts)
-    if op == "max":
-        return stacked.amax(0)
-    return stacked.amin(0)
+    return _reduce_tensors(parts, op)
 
 
 def _check_dtypes(what: str, inputs: Sequence[torch.Tensor]) -> None:

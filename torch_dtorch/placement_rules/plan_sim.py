@@ -26,6 +26,7 @@ from torch_dtorch.placement_rules.plan_steps import (
     ZeroFill,
 )
 from torch_dtorch.placement_rules.planner import RedistributePlan
+from torch_dtorch.placement_rules.simulate import reduce_tensors
 
 __all__ = ["apply_plan", "apply_step", "axis_groups", "chunk", "reduce_tensors"]
 
@@ -48,24 +49,6 @@ def chunk(t: torch.Tensor, dim: int, num_chunks: int, index: int) -> torch.Tenso
     """Chunk ``index`` of ``t`` split ``num_chunks`` ways along ``dim`` (``torch.chunk`` rule, empty chunks kept)."""
     size, start = chunk_size_and_offset(t.shape[dim], num_chunks, index)
     return t.narrow(dim, start, size)
-
-
-def reduce_tensors(parts: Sequence[torch.Tensor], reduce_op: str) -> torch.Tensor:
-    """Reduce equally shaped tensors in rank order (``avg`` = sum / n, floor division for integers)."""
-    shapes = {tuple(p.shape) for p in parts}
-    if len(shapes) != 1:
-        raise ValueError(f"reduce over tensors of different shapes {sorted(shapes)}")
-    stacked = torch.stack(list(parts))
-    if reduce_op == "sum":
-        return stacked.sum(0)
-    if reduce_op == "avg":
-        total = stacked.sum(0)
-        return total / len(parts) if total.is_floating_point() else total // len(parts)
-    if reduce_op == "max":
-        return stacked.amax(0)
-    if reduce_op == "min":
-        return stacked.amin(0)
-    raise ValueError(f"unsupported reduce op {reduce_op!r}")
 
 
 def _collective(step: AxisStep, group: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ is checked against. Ranks are mesh coordinates; nothing here talks to a worker.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache, lru_cache
 from itertools import product
 from typing import Any
 
@@ -94,17 +95,26 @@ def distribute(
     return {c: v for c, (_, v) in out.items()}
 
 
-def _reduce(parts: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
-    stacked = torch.stack(parts)
+def reduce_tensors(parts: Sequence[torch.Tensor], reduce_op: str) -> torch.Tensor:
+    """Reduce equally shaped tensors stacked in rank order (``avg`` = sum / n, floor division for integers).
+
+    The one reduction kernel of the project: the planner's simulator and the in-memory collectives both use it, so
+    the runtime and its reference agree bit for bit (for 5+ float parts torch's stacked sum is not a left-to-right
+    sum, but it is deterministic)."""
+    shapes = {tuple(p.shape) for p in parts}
+    if len(shapes) != 1:
+        raise ValueError(f"reduce over tensors of different shapes {sorted(shapes)}")
+    stacked = torch.stack(list(parts))
     if reduce_op == "sum":
         return stacked.sum(0)
     if reduce_op == "avg":
-        return stacked.sum(0) / len(parts) if stacked.is_floating_point() else stacked.sum(0) // len(parts)
+        total = stacked.sum(0)
+        return total / len(parts) if total.is_floating_point() else total // len(parts)
     if reduce_op == "max":
         return stacked.amax(0)
     if reduce_op == "min":
         return stacked.amin(0)
-    raise ValueError(f"unsupported Partial reduce op {reduce_op!r}")
+    raise ValueError(f"unsupported reduce op {reduce_op!r}")
 
 
 def assemble(
@@ -120,7 +130,7 @@ def assemble(
             if type(p) is Shard:
                 nxt[c] = torch.cat(group, dim=p.dim)
             elif isinstance(p, Partial):
-                nxt[c] = _reduce(group, p.reduce_op)
+                nxt[c] = reduce_tensors(group, p.reduce_op)
             else:
                 if check_replicas:
                     for i, g in enumerate(group[1:], 1):
@@ -133,6 +143,39 @@ def assemble(
     return cur[()]
 
 
+@lru_cache(maxsize=65536)
+def cached_local_shape_and_offset(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: Placements, coord: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return local_shape_and_offset(shape, mesh_shape, placements, coord)
+
+
+@cache
+def _takes_device(op: Any) -> bool:
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
+
+
+class _Nested(Exception):
+    pass
+
+
+def _swap(a: Any, by_operand: dict[int, torch.Tensor | None]) -> Any:
+    """Operands of a flat argument replaced by shards (raises ``_Nested`` for deeper structures)."""
+    t = type(a)
+    if t is Operand:
+        return by_operand[id(a)]
+    if t is list or t is tuple:
+        if any(type(v) in (list, tuple, dict) for v in a):
+            raise _Nested
+        if any(type(v) is Operand for v in a):
+            return t(by_operand[id(v)] if type(v) is Operand else v for v in a)
+        return a
+    if t is dict:
+        raise _Nested
+    return a
+
+
 def run_rank(
     rule: Any,
     call: OpCall,
@@ -142,12 +185,17 @@ def run_rank(
     placements_out: Sequence[Placements],
     *,
     device: int = -1,
+    torch_device: torch.device | None = None,
 ) -> list[torch.Tensor]:
     """One rank's local kernel: localize the call for this rank, substitute its shards, run the rule's kernel.
 
-    ``local`` holds this rank's shard of every tensor slot of ``call`` (``None`` for absent optional slots)."""
+    ``local`` holds this rank's shard of every tensor slot of ``call`` (``None`` for absent optional slots). The
+    workers run every eager op through here, so it avoids per-call overhead (cached local shapes, a flat operand
+    swap). ``torch_device`` (non-CPU workers): rules drop the global ``device=`` of factories, and aten overloads
+    ignore ``torch.set_default_device``, so ops whose schema takes a ``device`` get the rank's explicitly."""
+    mesh_shape = tuple(mesh_shape)
     outs = [
-        local_shape_and_offset(m.shape, mesh_shape, pl, coordinate)
+        cached_local_shape_and_offset(tuple(m.shape), mesh_shape, tuple(pl), tuple(coordinate))
         for m, pl in zip(call.out_meta, placements_out)
     ]
     ctx = LocalContext(
@@ -159,7 +207,13 @@ def run_rank(
     )
     by_operand = {id(x): t for x, t in zip(call.inputs, local, strict=True) if x is not None}
     args, kwargs = rule.localize(call, ctx)
-    args, kwargs = map_operands((args, kwargs), lambda o: by_operand[id(o)])
+    try:
+        args = tuple(_swap(a, by_operand) for a in args)
+        kwargs = {k: _swap(v, by_operand) for k, v in kwargs.items()} if kwargs else kwargs
+    except _Nested:
+        args, kwargs = map_operands((args, kwargs), lambda o: by_operand[id(o)])
+    if torch_device is not None and kwargs.get("device") is None and _takes_device(call.op):
+        kwargs = {**kwargs, "device": torch_device}
     out = rule.kernel(call, ctx, args, kwargs)
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
