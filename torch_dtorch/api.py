@@ -82,7 +82,7 @@ def distribute_tensor(
     value = tensor.detach()
     if is_dtorch(value):
         return redistribute(tensor, mesh, pl)
-    operand = rt.executor.constructor.input(tuple(value.shape), mesh, pl, dtype=value.dtype)
+    operand = rt.executor.input(tuple(value.shape), mesh, pl, dtype=value.dtype)
     rt.executor.upload(operand, value)
     out = wrap(rt, operand)
     if tensor.requires_grad:
@@ -151,7 +151,7 @@ def from_local(
             f"from_local: shards do not form a {first.dtype} tensor of shape {gshape} with placements "
             f"{mesh.describe(pl)}:\n  " + "\n  ".join(bad)
         )
-    operand = rt.executor.constructor.input(gshape, mesh, pl, dtype=first.dtype)
+    operand = rt.executor.input(gshape, mesh, pl, dtype=first.dtype)
     rt.executor.upload_shards(operand, {d: t.detach() for d, t in locals_.items()})
     return wrap(rt, operand)
 

@@ -43,7 +43,7 @@ _DEFERRED: dict[int, Deferred] = {}
 
 
 def _unbound(rt: Runtime, meta: TensorMeta, deferred: Deferred) -> Operand:
-    operand = rt.executor.constructor.graph.new_operand(meta, None, ())
+    operand = rt.executor.input(meta.shape, None, dtype=meta.dtype)
     _DEFERRED[operand.id] = deferred
     return operand
 

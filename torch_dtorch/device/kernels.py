@@ -110,7 +110,7 @@ def _random(rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         if x.mesh is None:
             return wrap(rt, binding.defer_upload(rt, value))
         mesh, placements = x.mesh, [p if not is_partial(p) else Replicate() for p in x.placements]
-    operand = rt.executor.constructor.input(tuple(value.shape), mesh, placements, dtype=value.dtype)
+    operand = rt.executor.input(tuple(value.shape), mesh, placements, dtype=value.dtype)
     rt.executor.upload(operand, value)
     return wrap(rt, operand)
 

@@ -73,7 +73,7 @@ def _to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         mesh = binding.current_mesh()
         if mesh is None:
             return kernels.wrap(rt, binding.defer_upload(rt, value.clone()))
-        operand = rt.executor.constructor.input(tuple(value.shape), mesh, None, dtype=value.dtype)
+        operand = rt.executor.input(tuple(value.shape), mesh, None, dtype=value.dtype)
         rt.executor.upload(operand, value)
         return kernels.wrap(rt, operand)
     if device is None or torch.device(device).type == DEVICE_NAME:
@@ -126,7 +126,7 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         if dst_operand.mesh is None:
             kernels.rebind(rt, dst, binding.defer_upload(rt, value))
         else:
-            new = rt.executor.constructor.input(
+            new = rt.executor.input(
                 value.shape, dst_operand.mesh, dst_operand.placements, dtype=dst.dtype
             )
             rt.executor.upload(new, value)
