@@ -126,9 +126,7 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         if dst_operand.mesh is None:
             kernels.rebind(rt, dst, binding.defer_upload(rt, value))
         else:
-            new = rt.executor.input(
-                value.shape, dst_operand.mesh, dst_operand.placements, dtype=dst.dtype
-            )
+            new = rt.executor.input(value.shape, dst_operand.mesh, dst_operand.placements, dtype=dst.dtype)
             rt.executor.upload(new, value)
             kernels.rebind(rt, dst, new)
         return dst
