@@ -8,6 +8,7 @@
 | ``DTORCH_VALIDATE_KERNEL_IO`` | ``1``: every worker kernel checks each local output's shape, dtype and device against the inferred metadata and raises ``KernelIOError`` naming the op and the worker | ``0`` |
 | ``DTORCH_BATCH_SIZE`` | eager executor: instructions per batch sent to the workers (a full batch is flushed at once) | ``64`` |
 | ``DTORCH_FLUSH_MS`` | eager executor: pending instructions are flushed after this many milliseconds without a new op | ``2`` |
+| ``DTORCH_COLLECTIVE_TIMEOUT_S`` | a collective waiting longer for its peers raises ``CollectiveTimeout`` naming the missing ranks (read by ``torch_dtorch.collectives.group``) | ``300`` |
 """
 
 from __future__ import annotations
