@@ -49,9 +49,23 @@ def _strip_pb2_grpc(text: str) -> str:
 
 def main() -> int:
     rel = PROTO.relative_to(ROOT)
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.", str(rel)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        "-I.",
+        "--python_out=.",
+        "--grpc_python_out=.",
+        "--pyi_out=.",
+        str(rel),
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True)
-    for name, fix in (("heartbeat_pb2.py", _strip_pb2), ("heartbeat_pb2_grpc.py", _strip_pb2_grpc)):
+    fixes = (
+        ("heartbeat_pb2.py", _strip_pb2),
+        ("heartbeat_pb2_grpc.py", _strip_pb2_grpc),
+        ("heartbeat_pb2.pyi", lambda text: HEADER + text),
+    )
+    for name, fix in fixes:
         path = HERE / name
         path.write_text(fix(path.read_text()))
     return 0
