@@ -8,6 +8,9 @@
 | ``DTORCH_VALIDATE_KERNEL_IO`` | ``1``: every worker kernel checks each local output's shape, dtype and device against the inferred metadata and raises ``KernelIOError`` naming the op and the worker | ``0`` |
 | ``DTORCH_BATCH_SIZE`` | eager executor: instructions per batch sent to the workers (a full batch is flushed at once) | ``64`` |
 | ``DTORCH_FLUSH_MS`` | eager executor: pending instructions are flushed after this many milliseconds without a new op | ``2`` |
+| ``DTORCH_HEARTBEAT_TIMEOUT_S`` | cluster mode: a worker silent this long is reported lost (``WorkerLostError``) | ``1.0`` |
+| ``DTORCH_HANG_TIMEOUT_S`` | cluster mode: a worker busy on one op this long is reported hung (``WorkerHangError``) | ``600`` |
+| ``DTORCH_CONTROLLER_TIMEOUT_S`` | cluster mode: a worker whose controller is silent this long exits by itself | ``1.5`` |
 | ``DTORCH_COLLECTIVE_TIMEOUT_S`` | a collective waiting longer for its peers raises ``CollectiveTimeout`` naming the missing ranks (read by ``torch_dtorch.collectives.group``) | ``300`` |
 """
 
