@@ -75,20 +75,14 @@ class Worker:
     def execute(self, instr: Instruction) -> None:
         """Execute one instruction if it concerns this device (never raises: failures become sticky errors)."""
         t = type(instr)
-        if t is RunOp:
-            assert isinstance(instr, RunOp)
+        if t is RunOp or t is Redistribute:
+            assert isinstance(instr, (RunOp, Redistribute))
             node = instr.node
             if node.assign is None or self.device not in node.assign.devices:
                 return
             self.executed += 1
-            self.kernel.run_op(node, instr=instr, call_site=self._call_site(instr))
-        elif t is Redistribute:
-            assert isinstance(instr, Redistribute)
-            node = instr.node
-            if node.assign is None or self.device not in node.assign.devices:
-                return
-            self.executed += 1
-            self.kernel.run_redistribute(node, instr=instr, call_site=self._call_site(instr))
+            run = self.kernel.run_op if t is RunOp else self.kernel.run_redistribute
+            run(node, instr=instr, call_site=self._call_site(instr))
         elif t is Free:
             assert isinstance(instr, Free)
             pop = self.blobs.pop
