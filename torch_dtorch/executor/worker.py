@@ -8,7 +8,7 @@ Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.kernel`); u
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -19,9 +19,26 @@ from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.kernel import Kernel, PoisonBoard
 from torch_dtorch.runtime.stream import COMPUTE, KernelStream
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "register_instruction"]
 
 log = logging.getLogger(__name__)
+
+#: handlers of instruction types defined outside this module (e.g. the compile backend's program replay):
+#: ``type -> handler(worker, instr)``; filled by :func:`register_instruction` at import
+_HANDLERS: dict[type, Callable[[Worker, Any], None]] = {}
+
+
+def register_instruction(cls: type) -> Callable[[Callable[[Worker, Any], None]], Callable[[Worker, Any], None]]:
+    """Decorator: ``handler(worker, instr)`` runs every ``cls`` instruction on every worker (the handler decides
+    whether it concerns ``worker.device``; it must not raise: failures become sticky operand errors)."""
+
+    def deco(fn: Callable[[Worker, Any], None]) -> Callable[[Worker, Any], None]:
+        if cls in _HANDLERS:
+            raise ValueError(f"register_instruction: {cls.__name__} already has a handler")
+        _HANDLERS[cls] = fn
+        return fn
+
+    return deco
 
 
 class Worker:
@@ -102,7 +119,11 @@ class Worker:
             assert isinstance(instr, Barrier)
             self._barrier(instr)
         else:
-            log.error("worker %d: unknown instruction %r", self.device, instr)
+            handler = _HANDLERS.get(t)
+            if handler is None:
+                log.error("worker %d: unknown instruction %r", self.device, instr)
+            else:
+                handler(self, instr)
 
     # --- handlers -----------------------------------------------------------------------------------------------
     def _upload(self, instr: Upload) -> None:
