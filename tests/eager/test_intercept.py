@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch_dtorch as dt
 from tests.eager.conftest import init_mesh
 from torch_dtorch import Replicate, Shard
-from torch_dtorch.device import kernels
+from torch_dtorch.device.state import get_runtime
 
 aten = torch.ops.aten
 
@@ -55,13 +55,11 @@ def test_call_delivers_its_overload(
     q = dt.distribute_tensor(torch.randn(1, 2, 4, 4), mesh, [Shard(1)])
     w = dt.distribute_tensor(torch.randn(6, 8, requires_grad=grad), mesh, [Replicate()])
     seen: list[Any] = []
-    original = kernels.dispatch
-
-    def spy(op: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        seen.append(op)
-        return original(op, args, kw)
-
-    monkeypatch.setattr(kernels, "dispatch", spy)
+    # every recorded operator (full path and fast path alike) reaches the executor's listeners
+    listeners = get_runtime().executor.constructor.listeners
+    monkeypatch.setattr(
+        get_runtime().executor.constructor, "listeners", [*listeners, lambda n: seen.append(n.op)]
+    )
     ctx = torch.no_grad() if grad else torch.inference_mode()
     with ctx:
         fn(q if name == "sdpa" else x, w)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from torch_dtorch._tree import map_only
-from torch_dtorch.device import binding
+from torch_dtorch.device import binding, state
 from torch_dtorch.device.state import Runtime, get_runtime
 from torch_dtorch.device.tensors import TABLE, is_dtorch
 from torch_dtorch.errors import DTorchError
@@ -26,26 +26,38 @@ class DeviceMismatchError(DTorchError, RuntimeError):
     """A non-dtorch tensor (other than a 0-d scalar) was mixed with dtorch tensors."""
 
 
-def _free_callback(rt: Runtime):  # noqa: ANN202 - closure factory
-    def on_free(operand: Operand) -> None:
-        from torch_dtorch.device.state import runtime_or_none
+_FREE_CALLBACKS: dict[int, Any] = {}
 
-        current = runtime_or_none()
-        if current is None or current.generation != rt.generation:
+
+def _free_callback(rt: Runtime):  # noqa: ANN202 - closure factory, one per runtime generation
+    cb = _FREE_CALLBACKS.get(rt.generation)
+    if cb is None:
+        _FREE_CALLBACKS.clear()
+        cb = _FREE_CALLBACKS[rt.generation] = _make_free_callback(rt)
+    return cb
+
+
+def _make_free_callback(rt: Runtime):  # noqa: ANN202 - closure factory
+    generation = rt.generation
+    executor = rt.executor
+
+    def on_free(operand: Operand) -> None:
+        current = state._RUNTIME
+        if current is None or current.generation != generation:
             return
         if operand.mesh is None:
             deferred = binding._DEFERRED.pop(operand.id, None)
             if deferred is not None:
                 for bound in deferred.bound.values():
-                    current.executor.free(bound.id)
+                    executor.free(bound.id)
             return
-        current.executor.free(operand.id)
+        executor.free(operand.id)
 
     return on_free
 
 
-def wrap(rt: Runtime, operand: Operand, *, view: bool = False) -> torch.Tensor:
-    return TABLE.wrap(operand, rt.generation, _free_callback(rt), view=view)
+def wrap(rt: Runtime, operand: Operand, *, view: bool = False, layout: int | None = None) -> torch.Tensor:
+    return TABLE.wrap(operand, rt.generation, _free_callback(rt), view=view, layout=layout)
 
 
 def rebind(rt: Runtime, t: torch.Tensor, operand: Operand) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torch_dtorch._compat import has_kernel_for_dispatch_key, setup_privateuse1_python_backend
-from torch_dtorch.device import kernels
+from torch_dtorch.device import fastpath, kernels
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
 from torch_dtorch.placement_rules import intercept_list, registered_ops
 
@@ -40,8 +40,20 @@ _SPECIAL = {
 
 
 def _generic(op: Any):  # noqa: ANN202
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        return kernels.dispatch(op, args, kwargs)
+    fast = fastpath.fast_op(op)
+    if fast is None:
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            return kernels.dispatch(op, args, kwargs)
+
+    else:
+        miss = fastpath.MISS
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            out = fast(args, kwargs)
+            if out is miss:
+                return kernels.dispatch(op, args, kwargs)
+            return out
 
     kernel.__name__ = f"dtorch_{op}"
     return kernel

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -33,11 +32,26 @@ def is_dtorch(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == DEVICE_NAME
 
 
-@dataclass
+class _Ref(weakref.ref):  # type: ignore[type-arg]
+    """Weak reference to a storage that knows its table key and free callback (cheaper than weakref.finalize)."""
+
+    __slots__ = ("key", "on_free")
+    key: int
+    on_free: Callable[[Operand], None]
+
+
 class _Entry:
-    operand: Operand
-    generation: int
-    shape: tuple[int, ...]
+    __slots__ = ("operand", "generation", "shape", "layout", "ref")
+
+    def __init__(
+        self, operand: Operand, generation: int, shape: tuple[int, ...], layout: int | None, ref: _Ref
+    ) -> None:
+        self.operand = operand
+        self.generation = generation
+        self.shape = shape
+        #: interned (mesh, placements, shape, stride, dtype) id, filled lazily by the eager fast path
+        self.layout = layout
+        self.ref = ref
 
 
 class TensorTable:
@@ -48,16 +62,29 @@ class TensorTable:
         self._lock = threading.Lock()
 
     def wrap(
-        self, operand: Operand, generation: int, on_free: Callable[[Operand], None], *, view: bool = False
+        self,
+        operand: Operand,
+        generation: int,
+        on_free: Callable[[Operand], None],
+        *,
+        view: bool = False,
+        layout: int | None = None,
     ) -> torch.Tensor:
         if view and torch.is_inference_mode_enabled():
             # autograd's view bookkeeping links a view to its base's version counter, which an inference tensor
             # lacks: a view of a normal tensor made under inference_mode must be a normal tensor (as in torch)
             with torch.inference_mode(False):
-                t = create_empty_tensor(list(operand.shape), operand.dtype)
+                t = create_empty_tensor(operand.shape, operand.dtype)
         else:
-            t = create_empty_tensor(list(operand.shape), operand.dtype)
-        self.bind(t, operand, generation, on_free)
+            t = create_empty_tensor(operand.shape, operand.dtype)
+        storage = t.untyped_storage()
+        key = id(storage)
+        ref = _Ref(storage, self._dead)
+        ref.key = key
+        ref.on_free = on_free
+        entry = _Entry(operand, generation, operand.shape, layout, ref)
+        with self._lock:
+            self._entries[key] = entry
         return t
 
     def bind(
@@ -67,16 +94,26 @@ class TensorTable:
         storage = t.untyped_storage()
         key = id(storage)
         with self._lock:
-            known = key in self._entries
-            self._entries[key] = _Entry(operand, generation, tuple(t.shape))
-        if not known:
-            weakref.finalize(storage, self._finalize, key, on_free)
+            old = self._entries.get(key)
+            if old is not None:
+                ref = old.ref
+            else:
+                ref = _Ref(storage, self._dead)
+                ref.key = key
+            ref.on_free = on_free
+            self._entries[key] = _Entry(operand, generation, tuple(t.shape), None, ref)
 
-    def _finalize(self, key: int, on_free: Callable[[Operand], None]) -> None:
+    def _dead(self, ref: _Ref) -> None:
         with self._lock:
-            entry = self._entries.pop(key, None)
-        if entry is not None:
-            on_free(entry.operand)
+            entry = self._entries.get(ref.key)
+            if entry is None or entry.ref is not ref:
+                return
+            del self._entries[ref.key]
+        ref.on_free(entry.operand)
+
+    def entry(self, t: torch.Tensor) -> _Entry | None:
+        """The raw entry of ``t``'s storage, or ``None`` (the eager fast path checks generation/shape itself)."""
+        return self._entries.get(id(t.untyped_storage()))
 
     def lookup(self, t: torch.Tensor, generation: int) -> Operand:
         entry = self._entries.get(id(t.untyped_storage()))

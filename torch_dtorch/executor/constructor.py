@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,8 +24,7 @@ log = logging.getLogger(__name__)
 REDISTRIBUTE = "redistribute"
 
 
-@dataclass(frozen=True)
-class BoundOp:
+class BoundOp(NamedTuple):
     """What a worker needs to run one operator: its rule and the call on the (redistributed) operands."""
 
     rule: OpRule
@@ -54,6 +52,9 @@ class GraphConstructor:
         self.policy = policy
         #: called with every operator added (redistributes included), in order: how executors stream work
         self.listeners: list[Callable[[Operator], None]] = []
+        #: ``(op, call, rule, plan, redistributed input slots, outputs)`` of the last :meth:`call` (the eager fast path builds
+        #: its templates from it)
+        self.last_call: tuple[Any, ...] | None = None
 
     # --- inputs -------------------------------------------------------------------------------------------------
     def input(
@@ -98,7 +99,8 @@ class GraphConstructor:
             prefer = tuple(mesh_for_out.to_root_placements(p) for p in placements)
         plan = rule.plan(call, policy=self.policy, prefer_outputs=prefer)
         inputs = list(call.inputs)
-        for i in plan.match.needs_redistribute(call):
+        moved = plan.match.needs_redistribute(call)
+        for i in moved:
             x = inputs[i]
             assert x is not None and call.mesh is not None
             target = plan.match.in_targets[i]
@@ -133,7 +135,57 @@ class GraphConstructor:
             cost=plan.cost,
             payload=bound,
         )
+        self.last_call = (op, call, rule, plan, moved, outputs)
         return self._structure(op, outputs)
+
+    def call_planned(
+        self,
+        rule: OpRule,
+        call: OpCall,
+        out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
+        assign: AssignInfo,
+        cost: OperatorCost,
+        moves: Sequence[tuple[int, Placements]] = (),
+    ) -> list[Operand]:
+        """Add an operator whose plan is already known (the eager fast path replays what :meth:`call` decided for
+        the same op, input layouts and constants). ``call.placements`` are the rule's input targets; ``moves``
+        lists the input slots to redistribute first, with their target root placements. Returns the outputs."""
+        if moves:
+            moved = list(call.inputs)
+            assert call.mesh is not None
+            for i, target in moves:
+                x = moved[i]
+                assert x is not None
+                moved[i] = self._redistribute(x, call.mesh, target)
+            call = call.retarget(moved, call.placements)
+        inputs = call.inputs
+        view_of = rule.view_of
+        base = inputs[view_of] if view_of is not None else None
+        view = ViewInfo(call.op, _non_tensor_args(call)) if base is not None else None
+        grad = False
+        for x in inputs:
+            if x is not None and x.requires_grad:
+                grad = True
+                break
+        new = self.graph.new_operand
+        outputs = [
+            new(meta, mesh, pl, base=base, view=view, requires_grad=grad and meta.dtype.is_floating_point)
+            for meta, mesh, pl in out_specs
+        ]
+        node = self.graph.add_operator(
+            call.op,
+            args=call.args,
+            kwargs=call.kwargs,
+            inputs=inputs,
+            outputs=outputs,
+            family=rule.family,
+            assign=assign,
+            cost=cost,
+            payload=BoundOp(rule, call),
+        )
+        for listener in self.listeners:
+            listener(node)
+        return outputs
 
     def redistribute(
         self, x: Operand, placements: Sequence[Placement], *, device_mesh: DeviceMesh | None = None

@@ -26,13 +26,15 @@ from typing import Any
 
 import torch
 
+from torch_dtorch.collectives.errors import TensorStoreTimeout
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
-from torch_dtorch.graph import LogicalGraph, Operand, Operator
+from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
-from torch_dtorch.placement import Placement, Replicate, local_shape_and_offset
+from torch_dtorch.placement import Placement, Placements, Replicate, local_shape_and_offset
+from torch_dtorch.placement_rules import OpCall, OpRule
 from torch_dtorch.placement_rules.simulate import assemble, distribute
 
 __all__ = ["EagerGraphExecutor"]
@@ -44,8 +46,8 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _POLL_S = 0.1
 
 
-#: ids merged into one Free instruction at most (merging copies the tuple; keep it short)
-_FREE_CHUNK = 256
+#: ids merged into one Free instruction at most
+_FREE_CHUNK = 1024
 
 
 class EagerGraphExecutor:
@@ -119,6 +121,21 @@ class EagerGraphExecutor:
         with self._lock:
             self._check_open()
             return self.constructor.call(op, *args, **kwargs)
+
+    def call_planned(
+        self,
+        rule: OpRule,
+        call: OpCall,
+        out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
+        assign: AssignInfo,
+        cost: OperatorCost,
+        moves: Sequence[tuple[int, Placements]] = (),
+    ) -> list[Operand]:
+        """Record an operator whose plan is known (see :meth:`GraphConstructor.call_planned`)."""
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            return self.constructor.call_planned(rule, call, out_specs, assign, cost, moves)
 
     def redistribute(
         self, x: Operand, placements: Sequence[Placement], device_mesh: DeviceMesh | None = None
@@ -226,20 +243,19 @@ class EagerGraphExecutor:
         return fut
 
     def free(self, operand: int | Operand) -> None:
-        """Drop an operand's blobs on every worker (batched: consecutive frees share one instruction)."""
+        """Drop an operand's blobs on every worker, in order with the operators (consecutive frees share one
+        ``Free``), so memory is released as soon as the last reader ran."""
         oid = operand.id if isinstance(operand, Operand) else int(operand)
         with self._lock:
             if self._closed:
                 return  # freeing after shutdown (e.g. from a finalizer) is a no-op
             pending = self._pending
-            if pending and type(pending[-1]) is Free and len(pending[-1].operand_ids) < _FREE_CHUNK:  # type: ignore[union-attr]
+            if pending:
                 last = pending[-1]
-                assert isinstance(last, Free)
-                pending[-1] = Free((*last.operand_ids, oid))
-                if len(last.operand_ids) + 1 >= self.batch_size:
-                    self._flush_locked()
-            else:
-                self._append(Free((oid,)))
+                if type(last) is Free and len(last.operand_ids) < _FREE_CHUNK:  # type: ignore[union-attr]
+                    last.operand_ids.append(oid)  # type: ignore[union-attr]
+                    return
+            self._append(Free([oid]))
 
     # --- synchronization ----------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -362,7 +378,9 @@ class EagerGraphExecutor:
                 raise TimeoutError(f"EagerGraphExecutor: no answer for {key} in time")
             try:
                 return store.pop(key, wait)
-            except TimeoutError:
+            except (
+                TensorStoreTimeout
+            ):  # not any TimeoutError: a WorkerHangError (cluster mode) must reach the caller
                 continue
 
     def __repr__(self) -> str:

@@ -64,9 +64,10 @@ class Fetch:
 
 @dataclass(frozen=True, slots=True)
 class Free:
-    """Drop the blobs of these operands on every worker."""
+    """Drop the blobs of these operands on every worker. The controller appends ids to the last pending ``Free``
+    until the batch is flushed (the list is not changed after that)."""
 
-    operand_ids: tuple[int, ...]
+    operand_ids: list[int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements, Replicate
 
-__all__ = ["LocalContext", "OpCall", "map_operands", "tensor_slot_types"]
+__all__ = ["LocalContext", "OpCall", "map_operands", "tensor_slot_specs", "tensor_slot_types"]
 
 _TENSOR_TYPES = frozenset({"Tensor", "Optional[Tensor]"})
 _TENSOR_LIST_TYPES = frozenset({"List[Tensor]", "List[Optional[Tensor]]"})
@@ -64,6 +64,9 @@ def _tensor_slots(op: Any) -> tuple[tuple[int | None, str, bool], ...]:
                 out.append((index, a.name, True))
         spec = _SLOT_SPECS[op] = tuple(out)
     return spec
+
+
+tensor_slot_specs = _tensor_slots
 
 
 @dataclass

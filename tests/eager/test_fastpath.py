@@ -1,0 +1,109 @@
+"""The eager fast path (device/fastpath.py): repeated calls replay a cached plan and still equal torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import torch_dtorch as dt
+from tests.eager.conftest import init_mesh
+from torch_dtorch import Partial, Replicate, Shard
+from torch_dtorch.device import fastpath
+
+aten = torch.ops.aten
+
+
+def _stats_delta(fn: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
+    before = dict(fastpath.stats)
+    out = fn()
+    return out, {k: fastpath.stats[k] - before[k] for k in before}
+
+
+CASES: list[tuple[str, Callable[[Any, Any], Any]]] = [
+    ("add", lambda a, b: a + b),
+    ("mm", lambda a, b: a @ b.t()),
+    ("view", lambda a, b: a.view(-1)),
+    ("transpose", lambda a, b: a.transpose(0, 1)),
+    ("sum0", lambda a, b: a.sum(0)),
+    ("sum1", lambda a, b: a.sum(1)),
+    ("split", lambda a, b: a.split(2, dim=1)),
+    ("mul_scalar_kw", lambda a, b: torch.mul(a, b).softmax(dim=-1)),
+]
+
+
+@pytest.mark.parametrize(("name", "fn"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "placements",
+    [([Replicate()], [Replicate()]), ([Shard(0)], [Replicate()]), ([Shard(1)], [Shard(0)])],
+    ids=["RR", "S0R", "S1S0"],
+)
+def test_replay_equals_torch(
+    name: str, fn: Callable[[Any, Any], Any], placements: tuple[list[Any], list[Any]]
+) -> None:
+    mesh = init_mesh((3,))
+    a, b = torch.randn(7, 5), torch.randn(7, 5)  # uneven over 3 devices
+    da = dt.distribute_tensor(a, mesh, placements[0])
+    db = dt.distribute_tensor(b, mesh, placements[1])
+    want = fn(a, b)
+    fn(da, db)  # first call: the full path (may record a template)
+    for _ in range(3):  # replays
+        got, delta = _stats_delta(lambda: fn(da, db))
+        assert delta["miss"] == 0, f"{name}: the repeated call missed the fast path: {delta}"
+        if isinstance(want, tuple):
+            assert len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(dt.to_torch(g), w)
+        else:
+            torch.testing.assert_close(dt.to_torch(got), want)
+
+
+def test_placement_change_takes_another_template() -> None:
+    mesh = init_mesh((2,))
+    a = torch.randn(4, 6)
+    x_row = dt.distribute_tensor(a, mesh, [Shard(0)])
+    x_col = dt.distribute_tensor(a, mesh, [Shard(1)])
+    for _ in range(2):
+        r, c = x_row.sum(0), x_col.sum(0)
+        assert r.placements == (Partial(),) or r.placements == (Replicate(),)
+        assert c.placements == (Shard(0),)
+        torch.testing.assert_close(dt.to_torch(r), a.sum(0))
+        torch.testing.assert_close(dt.to_torch(c), a.sum(0))
+
+
+def test_constants_are_part_of_the_key() -> None:
+    mesh = init_mesh((2,))
+    a = torch.randn(4, 6)
+    x = dt.distribute_tensor(a, mesh, [Replicate()])
+    for k in (1.0, 2.0, 3.0):
+        torch.testing.assert_close(dt.to_torch(torch.pow(x, k)), torch.pow(a, k))
+    for shape in ((24,), (6, 4), (2, 12)):
+        assert dt.to_torch(x.view(*shape)).shape == shape
+
+
+def test_requires_grad_flows_on_replay() -> None:
+    from torch_dtorch.device.kernels import operand_of
+
+    mesh = init_mesh((2,))
+    w = dt.distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    v = dt.distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    operand_of(v).requires_grad = True  # as for an operand produced from a grad-requiring value
+    for _ in range(3):  # first call full path, then replays: the flag follows the inputs every time
+        assert operand_of(v + w).requires_grad
+        assert not operand_of(w + w).requires_grad
+
+
+def test_in_place_and_cpu_scalars_take_the_full_path() -> None:
+    mesh = init_mesh((2,))
+    a = torch.randn(4, 4)
+    x = dt.distribute_tensor(a.clone(), mesh, [Shard(0)])
+    assert fastpath.fast_op(aten.add_.Tensor) is None
+    for _ in range(3):
+        _, delta = _stats_delta(lambda: x.add_(1.0))
+        assert delta["hit"] == 0
+    torch.testing.assert_close(dt.to_torch(x), a + 3.0)
+    s = torch.tensor(2.0)  # a 0-d CPU tensor: uploaded by the full path every time
+    for _ in range(2):
+        torch.testing.assert_close(dt.to_torch(x * s), (a + 3.0) * 2.0)

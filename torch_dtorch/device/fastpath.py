@@ -1,0 +1,216 @@
+"""The eager fast path: a per-op cache keyed by (input layouts, constant arguments) that replays a plan.
+
+The first call of an op on given input layouts goes the full way (:func:`torch_dtorch.device.kernels.dispatch`:
+operands, binding, rule matching, planning). If that call was not in place and took only bound dtorch tensors in
+top-level positional slots, the op's :class:`FastOp` keeps a :class:`_Template` of what was decided — the rule,
+the redistributes of its inputs, the output metadata/placements, the device assignment and cost. Later calls with the same
+layouts (mesh, placements, shape, stride, dtype of every tensor argument) and equal constants look the template up
+and only create the output operands, the operator and the output tensors.
+
+A layout is interned once per tensor (a small int kept on the tensor table entry), so a hit hashes a short tuple of
+ints and constants. Anything unusual (unbound or CPU tensors, tensor lists, unhashable arguments, random ops) misses
+and takes the full path, which is always correct.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from torch_dtorch.device import kernels, state
+from torch_dtorch.device.tensors import TABLE
+from torch_dtorch.graph import Operand
+from torch_dtorch.placement import Placements
+from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
+from torch_dtorch.placement_rules.call import tensor_slot_specs
+
+__all__ = ["MISS", "FastOp", "fast_op", "layout_of", "stats"]
+
+#: returned by :meth:`FastOp.__call__` when the call must take the full path
+MISS: Any = object()
+
+_TEMPLATES_PER_OP = 4096
+_LAYOUTS: dict[tuple[Any, ...], int] = {}
+_LAYOUT_IDS = itertools.count(1)
+_MAX_LAYOUTS = 1 << 16
+
+#: hits / misses / templates recorded (for tests and benchmarks)
+stats = {"hit": 0, "miss": 0, "recorded": 0}
+
+
+def layout_of(x: Operand) -> int:
+    """A small int standing for ``x``'s (mesh, placements, shape, stride, dtype). Ids are never reused."""
+    key = (x.mesh, x.placements, x.shape, x.stride, x.dtype)
+    lid = _LAYOUTS.get(key)
+    if lid is None:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()  # old ids stay unique: templates keyed by them simply stop matching
+        lid = _LAYOUTS[key] = next(_LAYOUT_IDS)
+    return lid
+
+
+class _Template:
+    __slots__ = (
+        "rule",
+        "root_mesh",
+        "in_placements",
+        "moves",
+        "out_meta",
+        "out_specs",
+        "out_layouts",
+        "assign",
+        "cost",
+        "mesh",
+    )
+
+    def __init__(
+        self, rule: OpRule, call: OpCall, plan: Any, moved: list[int], outputs: list[Operand], mesh: Any
+    ) -> None:
+        targets = plan.match.in_targets
+        self.rule = rule
+        self.root_mesh = call.mesh
+        self.in_placements = tuple(targets)
+        self.moves: tuple[tuple[int, Placements], ...] = tuple((i, targets[i]) for i in moved)
+        self.out_meta = plan.out_meta
+        self.out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(plan.out_meta, outputs, strict=True))
+        self.out_layouts = tuple(layout_of(o) for o in outputs)
+        self.assign = plan.assign
+        self.cost = plan.cost
+        self.mesh = mesh  # the mesh of the first tensor input (the runtime's "last mesh" after the call)
+
+
+class FastOp:
+    """The fast path of one overload (see the module docstring)."""
+
+    __slots__ = ("op", "slot_pos", "cache", "kind", "view_of")
+
+    def __init__(self, op: Any, slot_pos: tuple[int, ...], kind: str, view_of: int | None) -> None:
+        self.op = op
+        self.slot_pos = slot_pos  # positional index of every tensor slot, in schema order
+        self.cache: dict[tuple[Any, ...], _Template] = {}
+        self.kind = kind  # "single" | "tuple" | "list"
+        self.view_of = view_of
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        rt = state._RUNTIME
+        if rt is None:
+            return MISS
+        gen = rt.generation
+        entries = TABLE._entries
+        key: list[Any] = []
+        targs = list(args)
+        first: Operand | None = None
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                e = entries.get(id(a.untyped_storage()))
+                if e is None or e.generation != gen or a.shape != e.shape:
+                    return MISS
+                x = e.operand
+                if x.mesh is None:
+                    return MISS
+                lid = e.layout
+                if lid is None:
+                    lid = e.layout = layout_of(x)
+                key.append(lid)
+                targs[i] = x
+                if first is None:
+                    first = x
+            elif type(a) is list or type(a) is tuple:
+                for v in a:
+                    if isinstance(v, torch.Tensor):
+                        return MISS
+                key.append((type(a), *a))
+            else:
+                key.append(a)
+        if first is None:
+            return MISS
+        if kwargs:
+            for v in kwargs.values():
+                if isinstance(v, (torch.Tensor, list)):
+                    return MISS
+            key.append(tuple(kwargs.items()))
+        k = tuple(key)
+        try:
+            tpl = self.cache.get(k)
+        except TypeError:  # an unhashable constant
+            return MISS
+        if tpl is None:
+            return self._record(rt, args, kwargs, targs, k)
+        stats["hit"] += 1
+        n = len(targs)
+        inputs = [targs[p] if p < n else None for p in self.slot_pos]
+        call = OpCall(
+            self.op, tuple(targs), kwargs, inputs, tpl.root_mesh, list(tpl.in_placements), tpl.out_meta
+        )
+        outs = rt.executor.call_planned(tpl.rule, call, tpl.out_specs, tpl.assign, tpl.cost, tpl.moves)
+        rt.last_mesh = tpl.mesh
+        view = self.view_of is not None and not args[0].is_inference()
+        on_free = kernels._free_callback(rt)
+        wrap = TABLE.wrap
+        if self.kind == "single":
+            return wrap(outs[0], gen, on_free, view=view, layout=tpl.out_layouts[0])
+        res = [
+            wrap(o, gen, on_free, view=view, layout=lay) for o, lay in zip(outs, tpl.out_layouts, strict=True)
+        ]
+        return res if self.kind == "list" else tuple(res)
+
+    def _record(
+        self, rt: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targs: list[Any], key: tuple[Any, ...]
+    ) -> Any:
+        """Take the full path, then keep a template if the call qualifies."""
+        stats["miss"] += 1
+        constructor = rt.executor.constructor
+        before = constructor.last_call
+        out = kernels.dispatch(self.op, args, kwargs)
+        last = constructor.last_call
+        if last is None or last is before:
+            return out
+        op, call, rule, plan, moved, outputs = last
+        if op is not self.op or rule.output_is_input is not None:
+            return out
+        n = len(targs)
+        expected = [targs[p] if p < n else None for p in self.slot_pos]
+        if len(expected) != len(call.inputs) or any(
+            a is not b for a, b in zip(expected, call.inputs, strict=True)
+        ):
+            return out
+        if any(o.mesh is None for o in outputs):
+            return out
+        first = next(x for x in expected if x is not None)
+        if len(self.cache) >= _TEMPLATES_PER_OP:
+            self.cache.clear()
+        self.cache[key] = _Template(rule, call, plan, moved, outputs, first.mesh)
+        stats["recorded"] += 1
+        return out
+
+
+_FAST: dict[Any, FastOp | None] = {}
+
+
+def fast_op(op: Any) -> FastOp | None:
+    """The :class:`FastOp` of ``op``, or ``None`` when ``op`` always takes the full path (random ops, in-place
+    ops, ops with tensor-list arguments or several outputs of unknown structure)."""
+    if op in _FAST:
+        return _FAST[op]
+    fast: FastOp | None = None
+    schema = getattr(op, "_schema", None)
+    if schema is not None and op not in kernels.RANDOM_OPS:
+        rule = get_rule(op)
+        specs = tensor_slot_specs(op)
+        rets = schema.returns
+        if len(rets) == 1:
+            kind = "list" if str(rets[0].type) == "List[Tensor]" else "single"
+        else:
+            kind = "tuple"
+        ok = (
+            rule.output_is_input is None
+            and not schema.is_mutable
+            and all(pos is not None and not is_list for pos, _, is_list in specs)
+            and all(str(r.type) in ("Tensor", "List[Tensor]") for r in rets)
+        )
+        if ok:
+            fast = FastOp(op, tuple(pos for pos, _, _ in specs), kind, rule.view_of)  # type: ignore[misc]
+    _FAST[op] = fast
+    return fast
