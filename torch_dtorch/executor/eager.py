@@ -148,7 +148,9 @@ class EagerGraphExecutor:
     def _on_operator(self, node: Operator) -> None:
         call_site = _user_call_site() if get_config().debug else None
         instr: Instruction = (
-            Redistribute(node, call_site) if node.op == REDISTRIBUTE else RunOp(node, call_site)
+            Redistribute(node, call_site)
+            if type(node.op) is str and node.op == REDISTRIBUTE
+            else RunOp(node, call_site)
         )
         self._append(instr)
 
@@ -378,9 +380,8 @@ class EagerGraphExecutor:
                 raise TimeoutError(f"EagerGraphExecutor: no answer for {key} in time")
             try:
                 return store.pop(key, wait)
-            except (
-                TensorStoreTimeout
-            ):  # not any TimeoutError: a WorkerHangError (cluster mode) must reach the caller
+            # only the store's own timeout: a WorkerHangError (cluster mode) is a TimeoutError that must reach the caller
+            except TensorStoreTimeout:
                 continue
 
     def __repr__(self) -> str:

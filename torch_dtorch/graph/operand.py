@@ -67,7 +67,7 @@ class ViewInfo:
     args: tuple[object, ...]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Operand:
     """One distributed tensor value.
 

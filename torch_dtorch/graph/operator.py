@@ -40,7 +40,7 @@ class OperatorCost:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Operator:
     """A core operator: an intercepted dispatcher overload (or a dtorch op such as ``redistribute``).
 

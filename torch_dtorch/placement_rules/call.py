@@ -78,9 +78,12 @@ class LocalContext:
     in_shapes: list[tuple[int, ...] | None]
     out_shapes: list[tuple[int, ...]]
     out_offsets: list[tuple[int, ...]]
+    #: the worker's communicator (``collectives.group.Comm``) for kernels that communicate (context-parallel
+    #: attention); ``None`` in the plain-torch simulator
+    comm: Any = None
 
 
-@dataclass
+@dataclass(slots=True)
 class OpCall:
     """An op applied to operands: the call structure, the flattened tensor slots and their placements.
 
@@ -97,6 +100,8 @@ class OpCall:
     placements: list[Placements | None]
     out_meta: list[TensorMeta] = field(default_factory=list)
     _bound: dict[str, Any] | None = field(default=None, repr=False)
+    #: per-device RNG draws of a random op (see ``placement_rules.creation``), shared by the ranks of one call
+    random_draws: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def make(

@@ -110,9 +110,11 @@ def draw_global(
     """
     device = torch.get_default_device()
     default = _default_generator(device)
-    records: dict[str, _Draw] = vars(call).setdefault("_dtorch_random_draws", {})
     key = str(device)
     with _RNG_LOCK:
+        records: dict[str, Any] | None = call.random_draws
+        if records is None:
+            records = call.random_draws = {}
         rec = records.get(key)
         if rec is None or ctx.coordinate in rec.ranks:
             rec = records[key] = _Draw(default.get_state())
