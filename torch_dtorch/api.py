@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,9 @@ from torch_dtorch.errors import DTorchError, PlacementError
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.mesh import DeviceMesh, current_mesh
 from torch_dtorch.placement import Placement, Replicate, local_shape_and_offset, normalize_placements
+
+if TYPE_CHECKING:
+    from torch_dtorch.executor.cluster_protocol import ClusterConfig
 
 __all__ = [
     "distribute_tensor",
@@ -44,16 +47,23 @@ def init_device_mesh(
     *,
     mesh_dim_names: Sequence[str] | None = None,
     simulate: bool = False,
+    mode: str | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> DeviceMesh:
     """A mesh of ``prod(mesh_shape)`` devices, starting (or reusing) one worker per device.
 
     ``"cpu"`` simulates any number of devices on the CPU; ``"cuda"`` uses one GPU per device, or with
     ``simulate=True`` runs every rank on ``cuda:0``. Calling it again (a notebook re-run) reuses a compatible pool
     or restarts it cleanly.
+
+    ``mode``: ``"thread"`` (default; workers are threads of this process) or ``"process"`` (one worker process per
+    device, local or remote: see ``docs/cluster.md``); default ``DTORCH_MODE``. ``cluster``: a
+    :class:`~torch_dtorch.executor.cluster_protocol.ClusterConfig` for process mode (default: the
+    ``DTORCH_CLUSTER_*`` environment variables); giving one always starts a fresh pool.
     """
     ensure_registered()
     mesh = DeviceMesh.from_shape(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
-    _start_runtime(device_type, mesh.size(), simulate=simulate)
+    _start_runtime(device_type, mesh.size(), simulate=simulate, mode=mode, cluster=cluster)
     return mesh
 
 

@@ -41,6 +41,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if rc is None else int(rc)
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    # Contract with torch_dtorch/executor/worker_main.py: ``serve(...) -> int`` (one worker process per device).
+    from torch_dtorch.executor.worker_main import serve
+
+    return serve(
+        controller=args.controller,
+        secret_file=args.secret_file,
+        devices=args.devices,
+        host=args.host,
+        local_indices=args.local_indices,
+        start_timeout_s=args.start_timeout,
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtorch",
@@ -56,6 +70,29 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Run the built-in demo; further arguments are passed to the demo unparsed.",
     )
     p_demo.set_defaults(func=_cmd_demo, passthrough_ok=True)
+
+    p_worker = sub.add_parser(
+        "worker",
+        help="serve devices of a controller on another host (cluster mode)",
+        description="Start one dtorch worker process per device and join the controller at --controller. "
+        "The controller runs init_device_mesh(..., mode='process') with DTORCH_CLUSTER_LISTEN=tcp://HOST:PORT, "
+        "DTORCH_CLUSTER_SECRET_FILE and DTORCH_CLUSTER_LOCAL_DEVICES naming the devices it starts itself.",
+    )
+    p_worker.add_argument(
+        "--controller", required=True, help="the controller's control endpoint, tcp://HOST:PORT"
+    )
+    p_worker.add_argument("--secret-file", required=True, help="file (mode 0600) holding the cluster secret")
+    p_worker.add_argument(
+        "--devices", required=True, help="device ids (mesh ranks) served here, e.g. 2,3 or 4-7"
+    )
+    p_worker.add_argument("--host", default=None, help="this host's address to connect from (default: any)")
+    p_worker.add_argument(
+        "--local-indices", default=None, help="CUDA device index of each served device (default: 0, 1, ...)"
+    )
+    p_worker.add_argument(
+        "--start-timeout", type=float, default=120.0, help="seconds to wait for the controller"
+    )
+    p_worker.set_defaults(func=_cmd_worker)
 
     p_version = sub.add_parser("version", help="print torch-dtorch, torch and python versions")
     p_version.set_defaults(func=_cmd_version)

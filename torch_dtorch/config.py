@@ -8,6 +8,14 @@
 | ``DTORCH_VALIDATE_KERNEL_IO`` | ``1``: every worker kernel checks each local output's shape, dtype and device against the inferred metadata and raises ``KernelIOError`` naming the op and the worker | ``0`` |
 | ``DTORCH_BATCH_SIZE`` | eager executor: instructions per batch sent to the workers (a full batch is flushed at once) | ``64`` |
 | ``DTORCH_FLUSH_MS`` | eager executor: pending instructions are flushed after this many milliseconds without a new op | ``2`` |
+| ``DTORCH_MODE`` | where workers run: ``thread`` (threads of this process) or ``process`` (one process per device, cluster mode); ``init_device_mesh(mode=...)`` overrides it | ``thread`` |
+| ``DTORCH_WORKER_START_TIMEOUT_S`` | cluster mode: how long start-up waits for every worker to join and be ready | ``120`` |
+| ``DTORCH_CLUSTER_LISTEN`` | cluster mode: control endpoint workers join (``tcp://HOST:PORT`` admits remote ``dtorch worker`` processes) | private ``ipc://`` |
+| ``DTORCH_CLUSTER_SECRET_FILE`` | cluster mode: file (mode 0600) holding the cluster secret, shared with remote workers | a fresh random secret |
+| ``DTORCH_CLUSTER_LOCAL_DEVICES`` | cluster mode: devices started as local processes (``0,1``, ``none``); the others must join remotely | all |
+| ``DTORCH_CLUSTER_TRANSPORT`` | cluster mode, one host: ``ipc`` or ``tcp`` (loopback) sockets | ``ipc`` |
+| ``DTORCH_WORKER_IMPORTS`` | cluster mode: comma-separated modules every worker imports at start (custom rules, instruction handlers) | none |
+| ``DTORCH_SHM_THRESHOLD_BYTES`` | cluster mode: uploads/fetches at least this large use shared memory between local processes (when available) | ``1048576`` |
 | ``DTORCH_HEARTBEAT_TIMEOUT_S`` | cluster mode: a worker silent this long is reported lost (``WorkerLostError``) | ``1.0`` |
 | ``DTORCH_HANG_TIMEOUT_S`` | cluster mode: a worker busy on one op this long is reported hung (``WorkerHangError``) | ``600`` |
 | ``DTORCH_CONTROLLER_TIMEOUT_S`` | cluster mode: a worker whose controller is silent this long exits by itself | ``1.5`` |
@@ -34,6 +42,17 @@ def _env_policy() -> RedistributePolicy:
     except ValueError:
         valid = ", ".join(p.value for p in RedistributePolicy)
         raise ValueError(f"DTORCH_REDISTRIBUTE={raw!r} is not one of: {valid}") from None
+
+
+#: where workers run (``DTORCH_MODE``)
+MODES = ("thread", "process")
+
+
+def env_mode() -> str:
+    raw = os.environ.get("DTORCH_MODE", "thread").strip().lower() or "thread"
+    if raw not in MODES:
+        raise ValueError(f"DTORCH_MODE={raw!r} is not one of: {', '.join(MODES)}")
+    return raw
 
 
 def _env_flag(name: str) -> bool:
@@ -65,6 +84,8 @@ class Config:
         default_factory=lambda: int(_env_number("DTORCH_BATCH_SIZE", 64, minimum=1, integer=True))
     )
     flush_ms: float = field(default_factory=lambda: _env_number("DTORCH_FLUSH_MS", 2.0, minimum=0.0))
+    #: ``thread`` or ``process`` (``DTORCH_MODE``): the default of ``init_device_mesh(mode=None)``
+    mode: str = field(default_factory=env_mode)
 
 
 _CONFIG: Config | None = None

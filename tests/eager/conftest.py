@@ -1,4 +1,8 @@
-"""Eager tests run against real worker threads; the pool is shared by the whole session and reset at the end."""
+"""Eager tests run against real workers; the pool is shared by the whole session and reset at the end.
+
+``DTORCH_TEST_MODE=process`` runs the suite with one worker process per device (cluster mode) instead of threads;
+tests that reach into worker threads (hooks, monkeypatched kernels, worker objects) are marked ``thread_only``.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +21,22 @@ if TEST_DEVICE == "cuda":  # reference tensors and inputs live on the GPU too, s
     torch.set_default_device("cuda")
 
 
+#: ``DTORCH_TEST_MODE=process`` runs every mesh of the eager suite on worker processes (cluster mode)
+TEST_MODE = os.environ.get("DTORCH_TEST_MODE", "thread")
+if TEST_MODE not in ("thread", "process"):
+    raise ValueError(f"DTORCH_TEST_MODE={TEST_MODE!r} must be 'thread' or 'process'")
+
+#: tests that reach into worker threads of this process (kernel hooks, monkeypatched rules, ``runner.workers``)
+thread_only = pytest.mark.skipif(
+    TEST_MODE != "thread",
+    reason="reaches into worker threads; workers are separate processes in process mode",
+)
+
+
 def init_mesh(shape: Sequence[int] | int, **kwargs: object) -> dt.DeviceMesh:
     if TEST_DEVICE == "cuda":
-        return dt.init_device_mesh("cuda", shape, simulate=True, **kwargs)  # type: ignore[arg-type]
-    return dt.init_device_mesh("cpu", shape, **kwargs)  # type: ignore[arg-type]
+        return dt.init_device_mesh("cuda", shape, simulate=True, mode=TEST_MODE, **kwargs)  # type: ignore[arg-type]
+    return dt.init_device_mesh("cpu", shape, mode=TEST_MODE, **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture(autouse=True, scope="session")

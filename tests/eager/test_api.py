@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_dtorch as dt
-from tests.eager.conftest import init_mesh
+from tests.eager.conftest import init_mesh, thread_only
 from torch_dtorch import Partial, Replicate, Shard
 from torch_dtorch.device.state import get_runtime
 from torch_dtorch.errors import AsStridedError, NoRuleError
@@ -21,6 +21,7 @@ def mesh4() -> dt.DeviceMesh:
     return init_mesh((4,))
 
 
+@thread_only
 def test_ops_return_before_the_workers_finish() -> None:
     mesh = mesh4()
     x = dt.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
@@ -64,6 +65,7 @@ def test_futures_resolve_in_order_and_await() -> None:
     assert asyncio.run(main())[0].item() == 4.0
 
 
+@thread_only
 def test_kernel_failure_is_sticky_and_named_and_unrelated_work_continues(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -91,6 +93,7 @@ def test_kernel_failure_is_sticky_and_named_and_unrelated_work_continues(
     torch.testing.assert_close(torch.sigmoid(x).full_tensor(), torch.sigmoid(x.full_tensor()))
 
 
+@thread_only
 def test_freed_operands_do_not_accumulate() -> None:
     mesh = init_mesh((2,))
     x = dt.distribute_tensor(torch.randn(16, 16), mesh, [Shard(0)])

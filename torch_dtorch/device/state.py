@@ -6,13 +6,14 @@ import atexit
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torch_dtorch.errors import DTorchError, MeshError
 
 if TYPE_CHECKING:
+    from torch_dtorch.executor.cluster_protocol import ClusterConfig
     from torch_dtorch.executor.eager import EagerGraphExecutor
     from torch_dtorch.mesh import DeviceMesh
 
@@ -32,6 +33,8 @@ class Runtime:
     simulate: bool
     executor: EagerGraphExecutor
     generation: int
+    #: ``"thread"`` (ThreadRunner) or ``"process"`` (ClusterRunner)
+    mode: str = "thread"
     #: the mesh of the most recent op with a bound input: where tensors created without a mesh bind by default
     last_mesh: DeviceMesh | None = None
 
@@ -63,10 +66,44 @@ def _check_devices(device_type: str, num_devices: int, simulate: bool) -> None:
         )
 
 
-def start_runtime(device_type: str, num_devices: int, *, simulate: bool = False) -> Runtime:
-    """Start (or reuse) the worker pool. A compatible running pool with enough devices is reused; otherwise the
-    old pool is shut down cleanly first (a notebook cell re-run), which invalidates its tensors."""
+def resolve_mode(mode: str | None) -> str:
+    """``mode`` if given, else ``DTORCH_MODE`` (default ``thread``); validated."""
+    from torch_dtorch.config import MODES, get_config
+
+    mode = get_config().mode if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"init_device_mesh: mode must be one of {MODES}, got {mode!r} (or set DTORCH_MODE)")
+    return mode
+
+
+def _make_runner(
+    mode: str, device_type: str, num_devices: int, simulate: bool, cluster: ClusterConfig | None
+) -> Any:
+    devices = list(range(num_devices))
+    if mode == "process":
+        from torch_dtorch.executor.cluster_runner import ClusterRunner
+
+        return ClusterRunner(devices, device_type=device_type, simulate=simulate, config=cluster)
+    if cluster is not None:
+        raise ValueError("init_device_mesh: cluster= only applies to mode='process'")
+    from torch_dtorch.executor.thread_runner import ThreadRunner
+
+    return ThreadRunner(devices, device_type=device_type, simulate=simulate)
+
+
+def start_runtime(
+    device_type: str,
+    num_devices: int,
+    *,
+    simulate: bool = False,
+    mode: str | None = None,
+    cluster: ClusterConfig | None = None,
+) -> Runtime:
+    """Start (or reuse) the worker pool. A compatible running pool with enough devices (same mode, not failed) is
+    reused; otherwise the old pool is shut down cleanly first (a notebook cell re-run), which invalidates its
+    tensors. ``mode``: ``"thread"`` or ``"process"`` (default ``DTORCH_MODE``)."""
     global _RUNTIME, _GENERATION
+    mode = resolve_mode(mode)
     _check_devices(device_type, num_devices, simulate)
     with _LOCK:
         rt = _RUNTIME
@@ -75,22 +112,30 @@ def start_runtime(device_type: str, num_devices: int, *, simulate: bool = False)
             and rt.device_type == device_type
             and rt.simulate == simulate
             and rt.num_devices >= num_devices
+            and rt.mode == mode
+            and cluster is None
+            and not getattr(rt.executor.runner, "failed", False)
         ):
             return rt
         if rt is not None:
-            log.info("restarting the dtorch worker pool (%d -> %d devices)", rt.num_devices, num_devices)
+            log.info(
+                "restarting the dtorch worker pool (%s, %d devices -> %s, %d devices)",
+                rt.mode,
+                rt.num_devices,
+                mode,
+                num_devices,
+            )
             shutdown()
         from torch_dtorch.executor.eager import EagerGraphExecutor
-        from torch_dtorch.executor.thread_runner import ThreadRunner
 
-        runner = ThreadRunner(list(range(num_devices)), device_type=device_type, simulate=simulate)
+        runner = _make_runner(mode, device_type, num_devices, simulate, cluster)
         _GENERATION += 1
         executor = EagerGraphExecutor(runner)
         if device_type != "cpu":
             executor.result_device = torch.device(
                 device_type, 0
             )  # values come back where the controller computes
-        _RUNTIME = Runtime(device_type, num_devices, simulate, executor, _GENERATION)
+        _RUNTIME = Runtime(device_type, num_devices, simulate, executor, _GENERATION, mode=mode)
         return _RUNTIME
 
 

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 _HANDLERS: dict[type, Callable[[Worker, Any], None]] = {}
 
 
-def register_instruction(cls: type) -> Callable[[Callable[[Worker, Any], None]], Callable[[Worker, Any], None]]:
+def register_instruction(
+    cls: type,
+) -> Callable[[Callable[[Worker, Any], None]], Callable[[Worker, Any], None]]:
     """Decorator: ``handler(worker, instr)`` runs every ``cls`` instruction on every worker (the handler decides
     whether it concerns ``worker.device``; it must not raise: failures become sticky operand errors)."""
 
@@ -192,3 +194,9 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"Worker({self.device}, {self.torch_device}, {len(self.blobs)} blobs)"
+
+
+if __name__ == "__main__":  # a cluster-mode worker process: ``python -m torch_dtorch.executor.worker --help``
+    from torch_dtorch.executor.worker_main import run_and_exit
+
+    run_and_exit()

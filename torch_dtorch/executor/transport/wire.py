@@ -83,6 +83,8 @@ class MessageKind(enum.IntEnum):
     VALUE = 5  # worker -> controller: a requested value (tensors travel as buffer frames)
     ERROR = 6  # worker -> controller: a failure report
     SHUTDOWN = 7  # controller -> workers
+    JOIN = 8  # worker -> controller (cluster control socket): a worker asks to join, body {"device", "nonce", ...}
+    WELCOME = 9  # controller -> one worker (control socket): endpoints and settings, echoes the join nonce
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,138 @@
+"""Failures in process mode end with the documented typed error, in the documented time, with no process left:
+
+- a worker killed (SIGKILL) mid-batch: ``WorkerLostError`` (worker, host, last op) within 1 s; pending futures fail
+  with it; the other workers exit;
+- a worker stopped (SIGSTOP): ``WorkerLostError`` after ``DTORCH_HEARTBEAT_TIMEOUT_S`` (1 s) of silence;
+- a worker busy on one op beyond ``DTORCH_HANG_TIMEOUT_S``: ``WorkerHangError`` (its heartbeat kept beating);
+- the controller killed: every worker exits within 2 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import torch_dtorch as dt
+from tests.cluster.conftest import leftovers, wait_gone
+from torch_dtorch import Replicate, Shard
+from torch_dtorch.device.state import get_runtime
+from torch_dtorch.executor.cluster_runner import ClusterRunner
+from torch_dtorch.executor.heartbeat import WorkerHangError, WorkerLostError
+
+pytestmark = pytest.mark.slow
+
+
+def start(monkeypatch: pytest.MonkeyPatch, slow_op: str) -> tuple[dt.DeviceMesh, ClusterRunner, list[int]]:
+    monkeypatch.setenv("DTORCH_WORKER_IMPORTS", "tests.cluster.worker_hooks")
+    monkeypatch.setenv("DTORCH_TEST_SLOW_OP", slow_op)
+    mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+    runner = get_runtime().executor.runner
+    assert isinstance(runner, ClusterRunner)
+    pids = [m.proc.pid for m in runner.members.values() if m.proc is not None]
+    return mesh, runner, pids
+
+
+def busy_work(mesh: dt.DeviceMesh, n: int) -> list[dt.TensorFuture]:
+    """``n`` slow ops on worker 0 and a collective after each, with a future pending for each."""
+    x = dt.distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    futs = []
+    for _ in range(n):
+        x = torch.cos(x).redistribute(mesh, [Replicate()]).redistribute(mesh, [Shard(0)])
+        futs.append(dt.to_torch_async(x))
+    return futs
+
+
+def fail_within(futs: list[dt.TensorFuture], error: type[Exception], t0: float, limit: float) -> Exception:
+    with pytest.raises(error) as e:
+        futs[-1].get(timeout=limit + 5)
+    elapsed = time.monotonic() - t0
+    assert elapsed < limit, f"{error.__name__} after {elapsed:.2f} s, documented limit {limit} s"
+    assert all(f.is_ready() for f in futs)
+    return e.value
+
+
+def test_worker_killed_mid_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = set(leftovers())
+    mesh, runner, pids = start(monkeypatch, "aten.cos:0:0.2")
+    futs = busy_work(mesh, 20)  # ~4 s of work on worker 0
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(pids[0], signal.SIGKILL)
+    err = fail_within(futs, WorkerLostError, t0, 1.0)
+    assert err.worker == "w0" and err.host and err.last_op and "aten.cos" in err.last_op, err
+    with pytest.raises(WorkerLostError):
+        dt.sync()  # later requests raise it too
+    assert wait_gone(pids, 5.0) == []
+    dt.shutdown()
+    assert set(leftovers()) <= before
+
+
+def test_worker_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = set(leftovers())
+    mesh, runner, pids = start(monkeypatch, "aten.cos:0:0.2")
+    futs = busy_work(mesh, 20)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        err = fail_within(futs, WorkerLostError, t0, 1.0 + 0.5)  # DTORCH_HEARTBEAT_TIMEOUT_S + detection
+        assert err.worker == "w1" and "no heartbeat" in str(err)
+        assert wait_gone(pids, 6.0) == []  # the stopped one is killed after the exit grace
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    dt.shutdown()
+    assert set(leftovers()) <= before
+
+
+def test_worker_hung_in_a_long_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DTORCH_HANG_TIMEOUT_S", "1")
+    mesh, runner, pids = start(monkeypatch, "aten.cos:1:8")
+    x = dt.distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    dt.sync()
+    t0 = time.monotonic()
+    fut = dt.to_torch_async(torch.cos(x))
+    with pytest.raises(WorkerHangError) as e:
+        fut.get(timeout=10)
+    elapsed = time.monotonic() - t0
+    assert 1.0 <= elapsed < 2.0, elapsed
+    assert e.value.worker == "w1" and "aten.cos" in e.value.op
+    assert not isinstance(runner.failure, WorkerLostError)  # it kept beating: never mistaken for dead
+    assert wait_gone(pids, 5.0) == []
+    dt.shutdown()
+
+
+CONTROLLER = """
+import sys, time, torch, torch_dtorch as dt
+mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+x = dt.distribute_tensor(torch.ones(4), mesh, [dt.Shard(0)])
+assert x.full_tensor().sum().item() == 4
+r = dt.device.state.get_runtime().executor.runner
+print(" ".join(str(m.proc.pid) for m in r.members.values()), flush=True)
+time.sleep(120)
+"""
+
+
+def test_workers_exit_when_the_controller_dies() -> None:
+    ctl = subprocess.Popen([sys.executable, "-c", CONTROLLER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert ctl.stdout is not None
+        line = ctl.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, line
+        ctl.kill()
+        ctl.wait(5)
+        t0 = time.monotonic()
+        assert wait_gone(pids, 2.0) == [], "workers outlived their controller by 2 s"
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()

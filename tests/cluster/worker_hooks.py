@@ -1,0 +1,56 @@
+"""Imported by cluster-mode workers in tests (``DTORCH_WORKER_IMPORTS=tests.cluster.worker_hooks``).
+
+- ``DTORCH_TEST_SLOW_OP=aten.cos:1:3.0``: device 1 sleeps 3 s before every ``aten.cos`` (a long kernel);
+- ``DTORCH_TEST_FAIL_OP=aten.sigmoid:2``: ``aten.sigmoid`` raises on device 2 (a planted kernel failure).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from torch_dtorch.runtime import kernel as kernel_mod
+
+
+def _parse(var: str) -> list[str] | None:
+    raw = os.environ.get(var, "").strip()
+    return raw.split(":") if raw else None
+
+
+_SLOW = _parse("DTORCH_TEST_SLOW_OP")
+_FAIL = _parse("DTORCH_TEST_FAIL_OP")
+
+
+def _name(instr: Any) -> str:
+    node = getattr(instr, "node", instr)
+    return str(getattr(node, "name", ""))
+
+
+def _before(instr: Any, device: int) -> None:
+    name = _name(instr)
+    if _SLOW is not None and name == _SLOW[0] and device == int(_SLOW[1]):
+        time.sleep(float(_SLOW[2]))
+
+
+if _SLOW is not None:
+    kernel_mod.before_hooks.append(_before)
+
+if _FAIL is not None:
+    import torch
+
+    from torch_dtorch.placement_rules import get_rule
+
+    _op, _device = _FAIL[0], int(_FAIL[1])
+    _overload = getattr(torch.ops.aten, _op.split(".")[1]).default
+    _rule = get_rule(_overload)  # may be shared by a whole op family: only the named op fails
+    _kernel = _rule._kernel
+
+    def _broken(call: Any, ctx: Any, args: Any, kwargs: Any) -> Any:
+        if ctx.device == _device and call.op == _overload:
+            raise RuntimeError("planted failure")
+        if _kernel is not None:
+            return _kernel(call, ctx, args, kwargs)
+        return call.op(*args, **kwargs)
+
+    _rule._kernel = _broken  # type: ignore[method-assign]
