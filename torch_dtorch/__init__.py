@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from torch_dtorch import device as _device
+from torch_dtorch import nn  # noqa: E402 - module parallelism (layers, parallelize_module, pipeline)
 from torch_dtorch.api import (
     distribute_tensor,
     empty,
@@ -32,6 +33,7 @@ from torch_dtorch.api import (
 )
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.nn import parallelize_module
 
 __version__ = "0.1.0"
 
@@ -48,7 +50,9 @@ __all__ = [
     "from_local",
     "full",
     "init_device_mesh",
+    "nn",
     "ones",
+    "parallelize_module",
     "rand",
     "randn",
     "redistribute",

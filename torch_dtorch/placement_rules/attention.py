@@ -11,7 +11,9 @@
   explicit mask ``tril(diagonal=offset)`` with this rank's query offset, so the top-left alignment stays global.
 - **value features**: ``v S(-1)``, the rest ``R`` -> ``S(-1)``.
 - **linearity in v**: ``v P(sum|avg)``, the rest ``R`` -> same ``P``.
-- Key/value sequence sharding (ring / Ulysses context parallel) is not exact here: it is left to a later CP rule.
+- **context parallel** (only on meshes with a CP-named axis: ``cp``, ``ring``, ``ulysses``, ...): ``q``, ``k``,
+  ``v`` ``S(-2)``, mask ``R`` -> ``S(-2)``; the kernel runs ring or Ulysses attention over the axes where ``q`` and
+  ``k`` are both sequence-sharded (``context_parallel.py``).
 - ``dropout_p > 0`` raises ``NotImplementedError`` (the dropout stream of a sharded call cannot equal torch's);
   under autograd the op is decomposed before it reaches this rule anyway.
 
@@ -29,6 +31,7 @@ from torch_dtorch.graph import Operand, OperatorCost
 from torch_dtorch.ops.cost import sdpa_cost
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
+from torch_dtorch.placement_rules.context_parallel import cp_axes, cp_signatures, run_context_parallel
 from torch_dtorch.placement_rules.normalization import groups_split_evenly
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
@@ -81,6 +84,7 @@ def sdpa_signatures(call: OpCall) -> list[PlacementSignature]:
     # query sequence: rows are independent (the causal offset is handled by the kernel)
     m_seq = Shard(mask.ndim - 2) if mask is not None and mask.ndim >= 2 and mask.shape[-2] == out[-2] else _R
     sigs.append(sig([Shard(q.ndim - 2), _R, _R, m_seq], Shard(nd - 2)))
+    sigs += cp_signatures(call)
     # value features
     sigs.append(sig([_R, _R, Shard(v.ndim - 1), _R], Shard(nd - 1)))
     sigs.append(sig([_R] * 4, _R))  # before the Partial ones: a Replicate output wins cost ties
@@ -102,6 +106,8 @@ def _kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict
     an empty output shard is made directly."""
     names = [a.name for a in call.op._schema.arguments]
     bound = dict(zip(names, args)) | kwargs
+    if cp_axes(call):
+        return run_context_parallel(call, ctx, bound)
     if math.prod(ctx.out_shapes[0]) == 0:  # an empty shard: torch's math path broadcasts 1 against 0 to 1
         return bound["query"].new_empty(ctx.out_shapes[0], dtype=call.out_meta[0].dtype)
     l_global = call.out_meta[0].shape[-2]

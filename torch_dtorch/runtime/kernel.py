@@ -210,9 +210,12 @@ class Kernel:
                     placements_out,
                     device=self.device,
                     torch_device=self.torch_device,
+                    comm=self.comm,
                 )
         else:
-            outs = run_local(rule, call, info.coord, info.shape, local, placements_out, device=self.device)
+            outs = run_local(
+                rule, call, info.coord, info.shape, local, placements_out, device=self.device, comm=self.comm
+            )
         if len(outs) != len(node.outputs):
             raise KernelIOError(
                 node.name,
