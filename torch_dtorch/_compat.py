@@ -35,3 +35,38 @@ def setup_privateuse1_python_backend(name: str) -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(name)
+
+
+# --- torch.compile front end (torch_dtorch.backend) -----------------------------------------------------------------
+
+
+def aot_module_simplified(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """``torch._functorch.aot_autograd.aot_module_simplified`` (the functionalizing aten tracer dynamo backends use)."""
+    from torch._functorch.aot_autograd import aot_module_simplified as aot
+
+    return aot(gm, example_inputs, **kwargs)
+
+
+def is_fake_tensor(t: object) -> bool:
+    """Whether ``t`` is a FakeTensor (what dynamo hands a backend as example inputs)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def core_decompositions(ops: Sequence[Any]) -> dict[Any, Any]:
+    """``torch._decomp.get_decompositions`` restricted to ``ops`` (never the whole Core ATen table)."""
+    from torch._decomp import get_decompositions
+
+    return dict(get_decompositions(list(ops)))
+
+
+def inductor_compile(gm: Any, example_inputs: Sequence[Any], *, mode: str | None = None) -> Any:
+    """Compile an aten-level FX graph with inductor; returns a callable taking the inputs positionally."""
+    from torch._inductor.compile_fx import compile_fx
+
+    config_patches: dict[str, Any] = {}
+    if mode == "reduce-overhead":
+        config_patches["triton.cudagraphs"] = True
+    compiled = compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
+    return compiled

@@ -1,14 +1,14 @@
-"""``torch.compile`` backends for dtorch.
+"""``torch.compile`` backends for dtorch: ``dtorch`` and ``dtorch_debug``.
 
 Registered through the ``torch_dynamo_backends`` entry-point group (see ``pyproject.toml``), so
 ``torch.compile(model, backend="dtorch")`` finds them after ``pip install`` without importing ``torch_dtorch``.
-
-Both backends are placeholders until the compile front end lands: they raise ``NotImplementedError``.
+A backend is ``(gm, example_inputs, **kwargs) -> callable``; the heavy imports happen inside. See docs/compile.md.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -16,17 +16,30 @@ if TYPE_CHECKING:
 
 __all__ = ["dtorch_backend", "dtorch_debug_backend"]
 
-_NOT_IMPLEMENTED = (
-    "the dtorch torch.compile backend is not implemented yet (tracked in the compile-backend issue); "
-    "use eager dtorch tensors meanwhile"
-)
+
+def dtorch_backend(
+    gm: fx.GraphModule,
+    example_inputs: list[torch.Tensor],
+    *,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Any:
+    """The ``dtorch`` backend: capture the aten graph, propagate placements once per input layout, and run one
+    local program per worker (one message per call). ``options``: see :class:`~torch_dtorch.backend.options.CompileOptions`."""
+    from torch_dtorch.backend.compiler import compile_graph
+
+    return compile_graph(gm, example_inputs, options=options, mode=mode, backend="dtorch", debug=False)
 
 
-def dtorch_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], **kwargs: Any) -> NoReturn:
-    """The ``dtorch`` backend: propagate placements over the FX graph and run one local program per worker."""
-    raise NotImplementedError(_NOT_IMPLEMENTED)
+def dtorch_debug_backend(
+    gm: fx.GraphModule,
+    example_inputs: list[torch.Tensor],
+    *,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Any:
+    """The ``dtorch_debug`` backend: like ``dtorch`` up to the local programs, which are written out (``options["file"]``,
+    default stdout) and collected (``options["reports"]``) instead of shipped; the graph then runs eagerly."""
+    from torch_dtorch.backend.compiler import compile_graph
 
-
-def dtorch_debug_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], **kwargs: Any) -> NoReturn:
-    """The ``dtorch_debug`` backend: like ``dtorch``, with per-kernel validation and graph dumps."""
-    raise NotImplementedError(f"{_NOT_IMPLEMENTED} (backend 'dtorch_debug')")
+    return compile_graph(gm, example_inputs, options=options, mode=mode, backend="dtorch_debug", debug=True)

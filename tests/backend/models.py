@@ -1,0 +1,94 @@
+"""Tiny models and helpers shared by the compile-backend tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_dtorch as dt
+from torch_dtorch import Replicate, Shard
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(F.silu(self.up(x))))
+
+
+class Attention(nn.Module):
+    """Pre-norm self-attention block: qkv projections, SDPA, output projection, residual."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.norm(x)
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)))
+        return x + self.o(a.transpose(1, 2).reshape(b, s, d))
+
+
+def distribute_module(
+    model: nn.Module, mesh: dt.DeviceMesh, plan: dict[str, Sequence[Any]] | None = None
+) -> nn.Module:
+    """Move every parameter onto ``mesh`` (Replicate unless ``plan`` names its placements)."""
+    plan = plan or {}
+    for name, p in list(model.named_parameters()):
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        leaf = name.rsplit(".", 1)[-1]
+        placements = plan.get(name, [Replicate()] * mesh.ndim)
+        setattr(
+            owner, leaf, nn.Parameter(dt.distribute_tensor(p.detach(), mesh, placements), requires_grad=False)
+        )
+    for name, b in list(model.named_buffers()):
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        owner.register_buffer(
+            name.rsplit(".", 1)[-1], dt.distribute_tensor(b, mesh, [Replicate()] * mesh.ndim)
+        )
+    return model
+
+
+def tp_mlp_plan() -> dict[str, Sequence[Any]]:
+    return {"up.weight": [Shard(0)], "up.bias": [Shard(0)], "down.weight": [Shard(1)]}
+
+
+class HookCounter:
+    """Counts the instructions workers run, by type name (via the kernel hooks)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, instr: Any, device: int) -> None:
+        name = type(instr).__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+
+def with_hook(hook: Callable[[Any, int], None], fn: Callable[[], Any]) -> Any:
+    from torch_dtorch.runtime import kernel
+
+    kernel.after_hooks.append(hook)
+    try:
+        out = fn()
+        dt.sync()
+        return out
+    finally:
+        kernel.after_hooks.remove(hook)

@@ -1,0 +1,131 @@
+"""Capture: dynamo's FX graph -> a functional aten graph through ``aot_autograd``, keeping the intercept list whole.
+
+``aot_autograd`` decomposes a CompositeImplicitAutograd op only where eager autograd would have: the ``dtorch``
+device registers a backend kernel for every op of the intercept list (``linear``, ``layer_norm``,
+``scaled_dot_product_attention``, every view, ...), so on dtorch (fake) tensors those arrive whole, exactly as in
+eager mode. On plain CPU/CUDA inputs they decompose exactly as eager torch runs them (bit-identical by construction).
+
+Only a small explicit decomposition table is applied (:data:`DECOMPOSITIONS`, plus ``options["decompositions"]``),
+never the Core ATen set: that would remove attention (no context-parallel rule could fire), rewrite ``silu`` and
+``linear`` (breaking bit-identity) and rule out fused attention kernels on the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from torch_dtorch import _compat
+from torch_dtorch.graph.operand import dtype_str
+from torch_dtorch.graph.operator import op_name
+
+__all__ = ["DECOMPOSITIONS", "capture", "decomposition_table", "format_aten_graph", "needs_grad"]
+
+aten = torch.ops.aten
+
+#: aten overloads decomposed during capture. Each entry is an op that aot_autograd can emit but that has no placement
+#: rule, and whose decomposition reproduces eager torch bit for bit (so it never changes a result).
+DECOMPOSITIONS: tuple[Any, ...] = ()
+
+
+def decomposition_table(extra: Sequence[Any] = ()) -> dict[Any, Callable[..., Any]]:
+    return _compat.core_decompositions([*DECOMPOSITIONS, *extra])
+
+
+def needs_grad(example_inputs: Sequence[Any]) -> bool:
+    """Whether aot_autograd would trace a joint forward/backward graph for these inputs."""
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+    )
+
+
+def capture(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    fw_compiler: Callable[[fx.GraphModule, list[Any]], Any],
+    *,
+    decompositions: Sequence[Any] = (),
+) -> Any:
+    """Run ``aot_autograd`` (inference) over dynamo's graph; ``fw_compiler(aten_gm, fake_inputs)`` builds the callable
+    that runs the aten graph. Returns aot's runtime wrapper (which handles input mutations and output aliases)."""
+
+    def no_backward(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        raise NotImplementedError(
+            "torch.compile(backend='dtorch'): backward graphs are not supported yet; run the compiled model under "
+            "torch.no_grad() / torch.inference_mode(), or use the model eagerly on dtorch tensors for training"
+        )
+
+    return _compat.aot_module_simplified(
+        gm,
+        list(example_inputs),
+        fw_compiler=fw_compiler,
+        bw_compiler=no_backward,
+        decompositions=decomposition_table(decompositions),
+    )
+
+
+# --- printing ------------------------------------------------------------------------------------------------------
+
+
+def _type_of(node: fx.Node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return f"{dtype_str(val.dtype)}[{', '.join(str(s) for s in val.shape)}]"
+    if isinstance(val, (list, tuple)):
+        return (
+            "("
+            + ", ".join(
+                f"{dtype_str(v.dtype)}[{', '.join(str(s) for s in v.shape)}]"
+                if isinstance(v, torch.Tensor)
+                else "?"
+                for v in val
+            )
+            + ")"
+        )
+    return type(val).__name__ if val is not None else "?"
+
+
+def format_value(a: Any) -> str:
+    """One argument of an FX node, in the compact printed form (``%name`` for nodes)."""
+    if isinstance(a, fx.Node):
+        return f"%{a.name}"
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(format_value(x) for x in a) + "]"
+    if isinstance(a, torch.dtype):
+        return dtype_str(a)
+    if isinstance(a, torch.device):
+        return f"'{a}'"
+    if isinstance(a, str):
+        return repr(a)
+    if isinstance(a, float):
+        return repr(a)
+    return str(a)
+
+
+def target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return op_name(target)
+    name = getattr(target, "__name__", None)
+    return name if name is not None else str(target)
+
+
+def format_aten_graph(gm: fx.GraphModule) -> str:
+    """The captured aten graph, one line per node: ``%mm = aten.mm(%x, %w) -> f32[4, 8]``."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            lines.append(f"%{node.name} = input() -> {_type_of(node)}")
+        elif node.op == "get_attr":
+            lines.append(f"%{node.name} = constant({node.target}) -> {_type_of(node)}")
+        elif node.op == "call_function":
+            parts = [format_value(a) for a in node.args]
+            parts += [f"{k}={format_value(v)}" for k, v in node.kwargs.items()]
+            lines.append(f"%{node.name} = {target_name(node.target)}({', '.join(parts)}) -> {_type_of(node)}")
+        elif node.op == "output":
+            lines.append(f"return {format_value(node.args[0])}")
+        else:
+            lines.append(f"%{node.name} = {node.op}({node.target})")
+    return "\n".join(lines)

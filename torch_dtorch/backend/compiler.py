@@ -1,0 +1,52 @@
+"""The backend function behind ``dtorch`` / ``dtorch_debug``: options, checks, capture."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import fx
+
+from torch_dtorch.backend.capture import capture, needs_grad
+from torch_dtorch.backend.options import CompileOptions, CompileOptionsError
+from torch_dtorch.backend.runtime import CompiledGraph
+
+__all__ = ["compile_graph"]
+
+log = logging.getLogger(__name__)
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | None,
+    mode: str | None,
+    backend: str,
+    debug: bool,
+) -> Any:
+    """Compile one dynamo graph. Returns aot_autograd's wrapper around a :class:`CompiledGraph`."""
+    if mode not in (None, "default"):
+        raise CompileOptionsError(
+            f"torch.compile(backend={backend!r}, mode={mode!r}): modes are not supported; pass "
+            "options={'worker_compiler': 'inductor', 'cudagraphs': True} instead"
+        )
+    opts = CompileOptions.parse(options, backend=backend)
+    if needs_grad(example_inputs):
+        raise NotImplementedError(
+            f"torch.compile(backend={backend!r}): inputs require grad with grad mode on, so aot_autograd would "
+            "trace a backward graph, which the dtorch backend does not support yet. Run the compiled model under "
+            "torch.no_grad() / torch.inference_mode() (or model.requires_grad_(False)); for training use the model "
+            "eagerly on dtorch tensors"
+        )
+    compiled: list[CompiledGraph] = []
+
+    def fw_compiler(aten_gm: fx.GraphModule, fake_inputs: list[Any]) -> CompiledGraph:
+        cg = CompiledGraph(aten_gm, fake_inputs, options=opts, backend=backend, debug=debug)
+        if debug and cg.plain:
+            log.info("%s: plain torch inputs; graphs are shown at the first call", backend)
+        compiled.append(cg)
+        return cg
+
+    return capture(gm, example_inputs, fw_compiler, decompositions=opts.decompositions)

@@ -1,0 +1,327 @@
+"""One rank's local program: the LogicalGraph localized for one device, as an FX graph with its collectives.
+
+Every operator becomes what the eager worker would run for it on that rank — the rule's ``localize`` (evaluated
+once, at compile time, with the rank's local shapes) and its local kernel — and every ``redistribute`` becomes a
+collective node carrying its :class:`~torch_dtorch.placement_rules.planner.RedistributePlan`. The program is then
+cut at the collectives into **compute segments** (plain aten FX graphs a worker may hand to inductor) and
+**collective steps** (run with the worker's communicator), connected through numbered value slots.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from torch_dtorch.backend.capture import format_value, target_name
+from torch_dtorch.executor.constructor import REDISTRIBUTE
+from torch_dtorch.graph import Operand
+from torch_dtorch.graph.operand import dtype_str
+from torch_dtorch.placement_rules import OpRule
+from torch_dtorch.placement_rules.call import LocalContext, map_operands
+from torch_dtorch.placement_rules.rule import FunctionRule
+from torch_dtorch.placement_rules.simulate import cached_local_shape_and_offset
+
+__all__ = ["CollectiveStep", "LocalProgram", "Segment", "build_local_program", "redistribute"]
+
+LocalMeta = tuple[tuple[int, ...], torch.dtype]
+
+
+def redistribute(x: torch.Tensor) -> torch.Tensor:
+    """Marker target of collective nodes in a local program (the program runner executes them with the worker's
+    communicator; the node's ``meta["plan"]`` says what to do)."""
+    raise RuntimeError(
+        "redistribute nodes of a dtorch local program run through the program runner, not as a Python call"
+    )
+
+
+@dataclass
+class Segment:
+    """A compute segment: ``gm(*slots[in_slots]) -> slots[out_slots]`` (no collective inside)."""
+
+    gm: fx.GraphModule
+    in_slots: tuple[int, ...]
+    out_slots: tuple[int, ...]
+    out_meta: tuple[LocalMeta, ...]
+    release: tuple[int, ...] = ()
+
+
+@dataclass
+class CollectiveStep:
+    """``slots[out_slot] = execute_plan(plan, slots[in_slot])``; ``None`` slots where the device is outside a mesh."""
+
+    plan: Any
+    note: str
+    in_slot: int | None
+    out_slot: int
+    in_meta: LocalMeta | None
+    out_meta: LocalMeta | None
+    release: tuple[int, ...] = ()
+
+
+@dataclass
+class LocalProgram:
+    """Everything one worker needs to replay a compiled graph."""
+
+    device: int
+    graph: fx.Graph
+    steps: list[Segment | CollectiveStep]
+    num_inputs: int
+    num_slots: int
+    out_slots: tuple[int | None, ...]
+    in_meta: tuple[LocalMeta | None, ...]
+    names: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return format_local_program(self.graph)
+
+    @property
+    def num_collectives(self) -> int:
+        return sum(isinstance(s, CollectiveStep) for s in self.steps)
+
+
+def _local_meta(x: Operand, device: int) -> LocalMeta | None:
+    if x.mesh is None:
+        return x.shape, x.dtype
+    root = x.mesh.root
+    if device not in root.devices:
+        return None
+    shape, _ = cached_local_shape_and_offset(
+        x.shape, root.shape, x.root_placements, root.coordinate_of(device)
+    )
+    return shape, x.dtype
+
+
+def _takes_device(op: Any) -> bool:
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
+
+
+def _has_custom_kernel(rule: OpRule) -> bool:
+    if type(rule).kernel is not OpRule.kernel and type(rule).kernel is not FunctionRule.kernel:
+        return True
+    return getattr(rule, "_kernel", None) is not None
+
+
+def _kernel_target(rule: OpRule, call: Any, ctx: LocalContext) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return rule.kernel(call, ctx, args, kwargs)
+
+    name = target_name(call.op).replace(".", "_")
+    run.__name__ = run.__qualname__ = f"dtorch_kernel_{name}"
+    return run
+
+
+def _returns_sequence(op: Any) -> bool:
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return False
+    rets = schema.returns
+    return len(rets) > 1 or (len(rets) == 1 and str(rets[0].type).startswith("List["))
+
+
+def build_local_program(prop: Any, device: int, torch_device: torch.device | None = None) -> LocalProgram:
+    """Localize ``prop`` (a :class:`~torch_dtorch.backend.propagate.Propagated`) for ``device``."""
+    g = fx.Graph()
+    env: dict[int, fx.Node] = {}
+    in_meta: list[LocalMeta | None] = []
+    names: dict[str, str] = {}
+    for i, x in enumerate(prop.inputs):
+        node = g.placeholder(f"in{i}")
+        meta = _local_meta(x, device)
+        node.meta.update(local=meta, label=x.name)
+        if x.tag:
+            names[node.name] = x.tag
+        in_meta.append(meta)
+        env[x.id] = node
+    for op in prop.graph.operators:
+        if op.assign is None or device not in op.assign.devices:
+            continue
+        if op.op == REDISTRIBUTE:
+            x, y = op.inputs[0], op.outputs[0]
+            assert x is not None
+            node = g.call_function(redistribute, (env.get(x.id),))
+            node.meta.update(
+                plan=op.payload,
+                note=op.note,
+                local=_local_meta(y, device),
+                local_in=_local_meta(x, device),
+                label=y.name,
+            )
+            env[y.id] = node
+            continue
+        rule, call = op.payload.rule, op.payload.call
+        root = call.mesh.root
+        coord = root.coordinate_of(device)
+        outs = [
+            cached_local_shape_and_offset(o.shape, root.shape, o.root_placements, coord) for o in op.outputs
+        ]
+        ctx = LocalContext(
+            device=device,
+            coordinate=coord,
+            in_shapes=[
+                (m[0] if (m := _local_meta(x, device)) else None) if x is not None else None
+                for x in call.inputs
+            ],
+            out_shapes=[s for s, _ in outs],
+            out_offsets=[o for _, o in outs],
+        )
+        args, kwargs = rule.localize(call, ctx)
+        args, kwargs = map_operands((tuple(args), dict(kwargs)), lambda o: env[o.id])
+        if (
+            torch_device is not None
+            and torch_device.type != "cpu"
+            and kwargs.get("device") is None
+            and _takes_device(call.op)
+        ):
+            kwargs = {**kwargs, "device": torch_device}
+        target = _kernel_target(rule, call, ctx) if _has_custom_kernel(rule) else call.op
+        node = g.call_function(target, tuple(args), kwargs)
+        if target is not call.op:
+            node.meta["display"] = f"{target_name(call.op)}[rule kernel]"
+        if _returns_sequence(call.op):
+            node.meta.update(label=", ".join(o.name for o in op.outputs), multi=True)
+            node.meta["local"] = tuple(_local_meta(o, device) for o in op.outputs)
+            for i, o in enumerate(op.outputs):
+                item = g.call_function(operator.getitem, (node, i))
+                item.meta.update(local=_local_meta(o, device), label=o.name)
+                env[o.id] = item
+        else:
+            node.meta.update(local=_local_meta(op.outputs[0], device), label=op.outputs[0].name)
+            env[op.outputs[0].id] = node
+    results = tuple(env.get(o.id) if isinstance(o, Operand) else None for o in prop.outputs)
+    g.output(results)
+    g.lint()
+    return _split(g, device, len(prop.inputs), tuple(in_meta), names)
+
+
+def _split(
+    g: fx.Graph, device: int, num_inputs: int, in_meta: tuple[LocalMeta | None, ...], names: dict[str, str]
+) -> LocalProgram:
+    """Cut the rank graph at its collectives into compute segments joined by value slots."""
+    slot: dict[fx.Node, int] = {}
+    next_slot = num_inputs
+    steps: list[Segment | CollectiveStep] = []
+    current: list[fx.Node] = []
+    output_node = next(n for n in g.nodes if n.op == "output")
+
+    def new_slot(n: fx.Node) -> int:
+        nonlocal next_slot
+        slot[n] = next_slot
+        next_slot += 1
+        return slot[n]
+
+    def close() -> None:
+        if not current:
+            return
+        members = set(current)
+        ins: list[fx.Node] = []
+        for n in current:
+            for a in n.all_input_nodes:
+                if a not in members and a not in ins:
+                    ins.append(a)
+        outs = [n for n in current if any(u not in members for u in n.users)]
+        sg = fx.Graph()
+        mapping: dict[fx.Node, fx.Node] = {}
+        for a in ins:
+            mapping[a] = sg.placeholder(a.name)
+        for n in current:
+            mapping[n] = sg.node_copy(n, lambda x: mapping[x])
+        sg.output(tuple(mapping[o] for o in outs))
+        gm = fx.GraphModule(torch.nn.Module(), sg)
+        out_meta = tuple(o.meta.get("local") or ((), torch.float32) for o in outs)
+        steps.append(Segment(gm, tuple(slot[a] for a in ins), tuple(new_slot(o) for o in outs), out_meta))
+        current.clear()
+
+    for n in g.nodes:
+        if n.op == "placeholder":
+            slot[n] = len(slot)
+        elif n.op == "output":
+            break
+        elif n.target is redistribute:
+            close()
+            src = n.args[0]
+            assert src is None or isinstance(src, fx.Node)
+            steps.append(
+                CollectiveStep(
+                    n.meta["plan"],
+                    n.meta["note"],
+                    slot[src] if src is not None else None,
+                    new_slot(n),
+                    n.meta.get("local_in"),
+                    n.meta.get("local"),
+                )
+            )
+        else:
+            current.append(n)
+    close()
+    results = output_node.args[0]
+    assert isinstance(results, tuple)
+    out_slots = tuple(slot[r] if isinstance(r, fx.Node) else None for r in results)
+    _set_release(steps, set(s for s in out_slots if s is not None), num_inputs)
+    return LocalProgram(device, g, steps, num_inputs, next_slot, out_slots, in_meta, names)
+
+
+def _set_release(steps: list[Segment | CollectiveStep], keep: set[int], num_inputs: int) -> None:
+    """After each step, drop the slots nothing later reads (so intermediates die as early as in eager mode)."""
+    last: dict[int, int] = {}
+    for i, s in enumerate(steps):
+        reads = s.in_slots if isinstance(s, Segment) else ((s.in_slot,) if s.in_slot is not None else ())
+        for r in reads:
+            last[r] = i
+    for i, s in enumerate(steps):
+        s.release = tuple(r for r, at in last.items() if at == i and r not in keep)
+
+
+# --- printing ------------------------------------------------------------------------------------------------------
+
+
+def _meta_str(meta: Any) -> str:
+    if meta is None:
+        return "-"
+    if (
+        isinstance(meta, tuple)
+        and meta
+        and isinstance(meta[0], tuple)
+        and len(meta[0]) == 2
+        and isinstance(meta[0][1], torch.dtype)
+    ):
+        return "(" + ", ".join(_meta_str(m) for m in meta) + ")"
+    shape, dtype = meta
+    return f"{dtype_str(dtype)}[{', '.join(map(str, shape))}]"
+
+
+def _label(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return str(a.meta.get("label", f"%{a.name}"))
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_label(x) for x in a) + "]"
+    return format_value(a)
+
+
+def format_local_program(g: fx.Graph) -> str:
+    """One line per node, named like the LogicalGraph's operands, local shapes after ``->``, collectives with
+    their plan: the golden form."""
+    lines = []
+    for node in g.nodes:
+        meta = node.meta.get("local")
+        label = node.meta.get("label", f"%{node.name}")
+        if node.op == "placeholder":
+            lines.append(f"{label} = input() -> {_meta_str(meta)}")
+        elif node.op == "output":
+            lines.append(f"return {_label(node.args[0])}")
+        elif node.target is redistribute:
+            lines.append(
+                f"{label} = redistribute({_label(node.args[0])}) -> {_meta_str(meta)}  # {node.meta['note']}"
+            )
+        elif node.target is operator.getitem:
+            continue  # shown on the line of the op that returns several tensors
+        else:
+            parts = [_label(a) for a in node.args]
+            parts += [f"{k}={_label(v)}" for k, v in node.kwargs.items()]
+            name = node.meta.get("display") or target_name(node.target)
+            lines.append(f"{label} = {name}({', '.join(parts)}) -> {_meta_str(meta)}")
+    return "\n".join(lines)

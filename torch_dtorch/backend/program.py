@@ -1,0 +1,329 @@
+"""Worker side of compiled graphs: three instruction types and their handlers.
+
+- :class:`LoadProgram` — sent once per compiled variant: every worker keeps its own :class:`LocalProgram`.
+- :class:`RunProgram` — one per call: input operand ids in, output operand ids out (the controller has already
+  made the output tensors; the workers fill their blobs).
+- :class:`UnloadProgram` — the compiled variant died on the controller.
+
+Errors are sticky like eager kernels: a poisoned input or a failing segment poisons every output of the call; the
+rank keeps taking part in the program's collectives with zeros of the right local shape (so peers never hang), and
+posts the error on the runner's poison board so that ranks that received its data poison their outputs too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_dtorch import _compat
+from torch_dtorch.backend.local import CollectiveStep, LocalMeta, LocalProgram, Segment
+from torch_dtorch.executor.worker import Worker, register_instruction
+from torch_dtorch.runtime import kernel as _kernel_mod
+from torch_dtorch.runtime.blob import Blob, KernelError
+from torch_dtorch.runtime.stream import COMPUTE
+
+__all__ = ["LoadProgram", "ProgramStats", "RunProgram", "UnloadProgram", "loaded_program", "program_stats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProgram:
+    """Each worker named in ``programs`` keeps its local program under ``program_id``."""
+
+    program_id: int
+    programs: dict[int, LocalProgram]
+    worker_compiler: str = "eager"
+    cudagraphs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RunProgram:
+    """Run program ``program_id`` on the blobs ``in_ids``; store its outputs as blobs ``out_ids``."""
+
+    program_id: int
+    in_ids: tuple[int, ...]
+    out_ids: tuple[int, ...]
+    call_site: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadProgram:
+    program_id: int
+
+
+@dataclass
+class ProgramStats:
+    """Replay statistics of one loaded program on one worker (the overhead benchmark reads them): calls and the
+    worker thread's CPU seconds spent in them."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+class _Loaded:
+    __slots__ = ("program", "fns", "compiler", "cudagraphs", "stats", "name")
+
+    def __init__(self, program: LocalProgram, compiler: str, cudagraphs: bool, name: str) -> None:
+        self.program = program
+        self.fns: list[Callable[..., Any] | None] = [
+            s.gm.forward if isinstance(s, Segment) and compiler == "eager" else None for s in program.steps
+        ]
+        self.compiler = compiler
+        self.cudagraphs = cudagraphs
+        self.stats = ProgramStats()
+        self.name = name
+
+
+_PROGRAMS: weakref.WeakKeyDictionary[Worker, dict[int, _Loaded]] = weakref.WeakKeyDictionary()
+_COMPILE_LOCK = threading.Lock()  # inductor is not re-entrant across worker threads
+
+
+def _table(worker: Worker) -> dict[int, _Loaded]:
+    table = _PROGRAMS.get(worker)
+    if table is None:
+        table = _PROGRAMS[worker] = {}
+    return table
+
+
+def loaded_program(worker: Worker, program_id: int) -> LocalProgram | None:
+    hit = _PROGRAMS.get(worker, {}).get(program_id)
+    return hit.program if hit is not None else None
+
+
+def program_stats(worker: Worker, program_id: int) -> ProgramStats | None:
+    hit = _PROGRAMS.get(worker, {}).get(program_id)
+    return hit.stats if hit is not None else None
+
+
+@register_instruction(LoadProgram)
+def _load(worker: Worker, instr: LoadProgram) -> None:
+    program = instr.programs.get(worker.device)
+    if program is None:
+        return
+    _table(worker)[instr.program_id] = _Loaded(
+        program, instr.worker_compiler, instr.cudagraphs, f"compiled program {instr.program_id}"
+    )
+
+
+@register_instruction(UnloadProgram)
+def _unload(worker: Worker, instr: UnloadProgram) -> None:
+    _table(worker).pop(instr.program_id, None)
+
+
+def _zeros(meta: LocalMeta | None, device: torch.device) -> torch.Tensor | None:
+    if meta is None:
+        return None
+    return torch.zeros(meta[0], dtype=meta[1], device=device)
+
+
+def _compile_segment(
+    loaded: _Loaded, index: int, seg: Segment, args: Sequence[torch.Tensor]
+) -> Callable[..., Any]:
+    mode = "reduce-overhead" if loaded.cudagraphs and args and args[0].is_cuda else None
+    with _COMPILE_LOCK:
+        fn = _compat.inductor_compile(seg.gm, list(args), mode=mode)
+    loaded.fns[index] = fn
+    return fn
+
+
+def _collective(worker: Worker, step: CollectiveStep, x: torch.Tensor | None) -> torch.Tensor | None:
+    execute_plan = worker.kernel.execute_plan
+    if worker.torch_device.type == "cuda":
+        # in-memory collectives compute results on whichever rank's thread arrives last: sync around them
+        torch.cuda.synchronize(worker.torch_device)
+        out = execute_plan(step.plan, x, device=worker.device, comm=worker.comm)
+        torch.cuda.synchronize(worker.torch_device)
+        return out
+    return execute_plan(step.plan, x, device=worker.device, comm=worker.comm)
+
+
+@register_instruction(RunProgram)
+def _run(worker: Worker, instr: RunProgram) -> None:
+    loaded = _PROGRAMS.get(worker, {}).get(instr.program_id)
+    if loaded is None:  # not a device of this program
+        return
+    hooks_before, hooks_after = _kernel_mod.before_hooks, _kernel_mod.after_hooks
+    for h in list(hooks_before):
+        _safe_hook(h, instr, worker.device)
+    stream = worker.stream
+    if stream is not None and stream.is_cuda:
+        with stream.use(COMPUTE):
+            _execute(worker, loaded, instr)
+    else:
+        _execute(worker, loaded, instr)
+    for h in list(hooks_after):
+        _safe_hook(h, instr, worker.device)
+
+
+def _safe_hook(h: Any, instr: Any, device: int) -> None:
+    try:
+        h(instr, device)
+    except Exception:  # noqa: BLE001 - a broken hook must not break the worker
+        log.exception("kernel hook %r failed", h)
+
+
+def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
+    t0 = time.thread_time()  # CPU time of this worker thread: GIL waits in thread mode do not count
+    prog = loaded.program
+    blobs = worker.blobs
+    dev = worker.torch_device
+    vals: list[Any] = [None] * prog.num_slots
+    err: KernelError | None = None
+    in_blobs: list[Blob] = []
+    for i, oid in enumerate(instr.in_ids):
+        meta = prog.in_meta[i]
+        if meta is None:
+            continue
+        b = blobs.get(oid)
+        if b is None:
+            err = err or KernelError(
+                loaded.name,
+                worker.device,
+                f"input {i} (operand %{oid}) has no data on this worker (never uploaded or computed, or freed)",
+                call_site=instr.call_site,
+            )
+            vals[i] = _zeros(meta, dev)
+        elif b.error is not None:
+            err = err or b.error
+            vals[i] = _zeros(meta, dev)
+        else:
+            vals[i] = b.tensor
+            in_blobs.append(b)
+    stream = worker.stream
+    if stream is not None and stream.is_cuda:
+        stream.wait_for(in_blobs, COMPUTE)
+    board = worker.kernel.board
+    key = instr.out_ids[0] if instr.out_ids else None
+    posted = False
+    fns = loaded.fns
+    for index, step in enumerate(prog.steps):
+        if type(step) is Segment:
+            outs: Any = None
+            if err is None:
+                args = [vals[s] for s in step.in_slots]
+                try:
+                    fn = fns[index]
+                    if fn is None:
+                        fn = _compile_segment(loaded, index, step, args)
+                    outs = fn(*args)
+                except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
+                    err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site,
+                                      detail=f"in compute segment {index}")  # fmt: skip
+                    err.__cause__ = e
+            if err is not None:
+                outs = [_zeros(m, dev) for m in step.out_meta]
+            for s, v in zip(step.out_slots, outs):
+                vals[s] = v
+        else:
+            assert isinstance(step, CollectiveStep)
+            if err is not None and board is not None and key is not None and not posted:
+                board.post(key, err)  # before the collective: receivers are ordered after it
+                posted = True
+            x = vals[step.in_slot] if step.in_slot is not None else None
+            try:
+                y = _collective(worker, step, x)
+            except Exception as e:  # noqa: BLE001
+                if err is None:
+                    err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site,
+                                      detail=f"plan: {step.note}")  # fmt: skip
+                    err.__cause__ = e
+                y = _zeros(step.out_meta, dev)
+            vals[step.out_slot] = y
+        for r in step.release:
+            vals[r] = None
+    if err is None and board is not None and key is not None and prog.num_collectives:
+        err = board.get(key)
+    if err is None and worker.kernel.validate:
+        err = _validate(worker, loaded, prog, vals)  # type: ignore[assignment]
+    new: list[Blob] = []
+    for oid, out_slot in zip(instr.out_ids, prog.out_slots):
+        if out_slot is None:
+            continue
+        if err is not None:
+            blobs[oid] = Blob(error=err)
+            continue
+        v = vals[out_slot]
+        if v is None:
+            blobs[oid] = Blob(
+                error=KernelError(loaded.name, worker.device, f"output %{oid} was not produced")
+            )
+            continue
+        b = Blob(v)
+        new.append(b)
+        blobs[oid] = b
+    if stream is not None and new:
+        stream.stamp(new, COMPUTE)
+    stats = loaded.stats
+    stats.calls += 1
+    stats.seconds += time.thread_time() - t0
+
+
+def _validate(worker: Worker, loaded: _Loaded, prog: LocalProgram, vals: list[Any]) -> KernelError | None:
+    from torch_dtorch.runtime.kernel import KernelIOError
+
+    results: Any = prog.graph.output_node().args[0]
+    for i, s in enumerate(prog.out_slots):
+        if s is None:
+            continue
+        node = results[i]
+        meta = node.meta.get("local") if isinstance(node, torch.fx.Node) else None
+        v = vals[s]
+        if meta is None or not isinstance(v, torch.Tensor):
+            continue
+        if tuple(v.shape) != tuple(meta[0]) or v.dtype != meta[1]:
+            return KernelIOError(
+                loaded.name,
+                worker.device,
+                f"output {i} is {v.dtype}{list(v.shape)}, the program expects {meta[1]}{list(meta[0])}",
+            )
+    return None
+
+
+# --- process mode: instruction codecs -------------------------------------------------------------------------------
+
+
+def _register_codecs() -> None:
+    """Teach the batch codec (process mode) the program instructions. ``RunProgram`` / ``UnloadProgram`` are plain
+    ids; shipping a :class:`LoadProgram` (FX graphs, rules and plans) to worker processes is not implemented yet."""
+    from torch_dtorch.executor.codec.common import register_codec
+
+    def enc_run(instr: RunProgram, ctx: Any) -> Any:
+        return [instr.program_id, list(instr.in_ids), list(instr.out_ids), instr.call_site]
+
+    def dec_run(tree: Any, ctx: Any) -> RunProgram:
+        pid, ins, outs, site = tree
+        return RunProgram(int(pid), tuple(int(i) for i in ins), tuple(int(o) for o in outs), site)
+
+    def enc_unload(instr: UnloadProgram, ctx: Any) -> Any:
+        return instr.program_id
+
+    def dec_unload(tree: Any, ctx: Any) -> UnloadProgram:
+        return UnloadProgram(int(tree))
+
+    def enc_load(instr: LoadProgram, ctx: Any) -> Any:
+        raise NotImplementedError(
+            "torch.compile(backend='dtorch') runs on thread-mode workers only for now: shipping compiled local "
+            "programs to worker processes needs an operator encoding in the codec (not implemented yet). Use the "
+            "thread runner, or the model eagerly on dtorch tensors"
+        )
+
+    def dec_load(tree: Any, ctx: Any) -> LoadProgram:
+        raise NotImplementedError("LoadProgram cannot be decoded in process mode yet")
+
+    register_codec(RunProgram, tag="compile.run", encode=enc_run, decode=dec_run)
+    register_codec(UnloadProgram, tag="compile.unload", encode=enc_unload, decode=dec_unload)
+    register_codec(LoadProgram, tag="compile.load", encode=enc_load, decode=dec_load)
+
+
+try:
+    _register_codecs()
+except ImportError:  # pragma: no cover - a tree without the process-mode codec
+    log.debug("no instruction codec: compiled programs are thread-mode only")

@@ -1,0 +1,143 @@
+"""Placement propagation over a captured aten graph: the eager :class:`GraphConstructor` on a recording
+:class:`LogicalGraph`, node by node — the same rules, the same matching, the same redistributes as eager mode."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from torch_dtorch.config import RedistributePolicy
+from torch_dtorch.errors import DTorchError
+from torch_dtorch.executor.constructor import GraphConstructor
+from torch_dtorch.graph import LogicalGraph, Operand
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement import Placements, Replicate
+
+__all__ = ["InputSpec", "Propagated", "UnsupportedGraphError", "propagate"]
+
+
+class UnsupportedGraphError(DTorchError, NotImplementedError):
+    """The captured graph holds something placement propagation cannot handle (symbolic shapes, higher-order
+    ops, ...). The backend then runs that graph eagerly on dtorch tensors instead."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What propagation knows of one graph input: its metadata and layout."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh: DeviceMesh | None
+    placements: Placements
+
+
+@dataclass
+class Propagated:
+    """The LogicalGraph of one captured graph under given input placements.
+
+    ``inputs`` are the graph's input operands in placeholder order, then one per tensor constant (``constants``
+    holds their values, uploaded once per compiled variant); ``outputs`` holds, per graph output, an operand or a
+    plain Python value (``None``, ints)."""
+
+    graph: LogicalGraph
+    mesh: DeviceMesh
+    inputs: list[Operand]
+    constants: list[torch.Tensor]
+    outputs: list[Operand | Any]
+
+
+def _check_static(node: fx.Node) -> None:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    for v in vals:
+        if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
+            raise UnsupportedGraphError(
+                f"{node.format_node()}: symbolic (dynamic) shape {tuple(v.shape)}; the dtorch backend compiles "
+                "static shapes only — pass dynamic=False to torch.compile"
+            )
+        if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+            raise UnsupportedGraphError(
+                f"{node.format_node()}: symbolic value {v}; pass dynamic=False to torch.compile"
+            )
+
+
+def _plain(v: Any) -> Any:
+    """FX's immutable containers as plain lists/tuples/dicts (aten schemas reject ``immutable_list``)."""
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def _get_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def propagate(
+    gm: fx.GraphModule,
+    inputs: Sequence[InputSpec],
+    *,
+    mesh: DeviceMesh,
+    policy: RedistributePolicy | None = None,
+) -> Propagated:
+    """Record ``gm`` on operands with the given input layouts; returns the LogicalGraph and its boundary."""
+    graph = LogicalGraph()
+    con = GraphConstructor(graph, default_mesh=mesh, policy=policy)
+    env: dict[fx.Node, Any] = {}
+    in_operands: list[Operand] = []
+    constants: list[torch.Tensor] = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise ValueError(f"propagate: the graph has {len(placeholders)} inputs, {len(inputs)} specs given")
+    outputs: list[Any] = []
+    it = iter(inputs)
+    for node in gm.graph.nodes:
+        _check_static(node)
+        if node.op == "placeholder":
+            spec = next(it)
+            x = con.input(spec.shape, spec.mesh, spec.placements, dtype=spec.dtype, tag=node.name)
+            in_operands.append(x)
+            env[node] = x
+        elif node.op == "get_attr":
+            value = _get_attr(gm, str(node.target))
+            if isinstance(value, torch.Tensor):
+                x = con.input(
+                    tuple(value.shape),
+                    mesh,
+                    [Replicate()] * mesh.ndim,
+                    dtype=value.dtype,
+                    tag=f"constant {node.target}",
+                )
+                constants.append(value.detach())
+                in_operands.append(x)
+                env[node] = x
+            else:
+                env[node] = value
+        elif node.op == "call_function":
+            args, kwargs = _plain(fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
+            if node.target is operator.getitem:
+                env[node] = args[0][args[1]]
+            elif isinstance(node.target, torch._ops.OpOverload):
+                env[node] = con.call(node.target, *args, **kwargs)
+            else:
+                raise UnsupportedGraphError(
+                    f"{node.format_node()}: {node.target} is not an aten overload (higher-order ops and Python "
+                    "calls are not propagated); this graph runs eagerly on dtorch tensors"
+                )
+        elif node.op == "output":
+            outs = fx.node.map_arg(node.args[0], env.__getitem__)
+            outputs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        else:
+            raise UnsupportedGraphError(f"{node.format_node()}: FX node kind {node.op!r} is not supported")
+    return Propagated(graph, mesh, in_operands, constants, outputs)

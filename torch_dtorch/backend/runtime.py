@@ -1,0 +1,335 @@
+"""Controller side of a compiled graph: the callable aot_autograd calls with the flat inputs on every call.
+
+Dynamo guards on shapes, dtypes and devices but not on placements, so :class:`CompiledGraph` checks them on every
+call: the input layouts (mesh and placements of each dtorch input) are the key of a cache of **variants**. A miss
+propagates placements over the captured graph (:mod:`~torch_dtorch.backend.propagate`), builds one local program
+per rank (:mod:`~torch_dtorch.backend.local`) and ships them to the workers once (:class:`LoadProgram`); every call
+then makes the output tensors at once (their placements are known), appends one :class:`RunProgram` to the eager
+executor's batch and returns — asynchronously, like eager ops.
+
+Plain CPU/CUDA inputs (no dtorch tensor among them) compile for a 1-device mesh: its only local program is the
+captured graph itself, run in the calling thread (bit-identical to eager torch; no worker round trip).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from torch_dtorch import _compat
+from torch_dtorch.backend.capture import format_aten_graph
+from torch_dtorch.backend.local import LocalProgram, build_local_program
+from torch_dtorch.backend.options import CompileOptions
+from torch_dtorch.backend.program import LoadProgram, RunProgram, UnloadProgram
+from torch_dtorch.backend.propagate import InputSpec, Propagated, UnsupportedGraphError, propagate
+from torch_dtorch.backend.report import CompileReport
+from torch_dtorch.device import binding
+from torch_dtorch.device.kernels import DeviceMismatchError, wrap
+from torch_dtorch.device.state import Runtime, get_runtime, runtime_or_none
+from torch_dtorch.device.tensors import DEVICE_NAME, TABLE
+from torch_dtorch.errors import DTorchError, PlacementError
+from torch_dtorch.graph import Operand
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement import Replicate, placements_str
+
+__all__ = ["CompiledGraph"]
+
+log = logging.getLogger(__name__)
+
+_PROGRAM_IDS = itertools.count(1)
+_SCALAR_TAG = "scalar input"
+
+
+def _submit(executor: Any, instr: Any) -> None:
+    """Append one instruction to the eager executor's pending batch (ordered with eager ops)."""
+    append = getattr(executor, "append_instruction", None)
+    if append is not None:
+        append(instr)
+        return
+    with executor._lock:  # the executor has no public append yet (see docs/compile.md, "Requests")
+        executor._check_open()
+        executor._append(instr)
+
+
+def _describe_key(operands: Sequence[Operand]) -> list[str]:
+    return [f"in{i}: {x.describe().split(': ', 1)[1]}" for i, x in enumerate(operands)]
+
+
+@dataclass
+class _Variant:
+    """One compiled layout of a graph: its programs on the workers and the recipe of its outputs."""
+
+    program_id: int
+    prop: Propagated
+    programs: dict[int, LocalProgram]
+    constants: list[torch.Tensor]  # dtorch tensors holding the uploaded graph constants (kept alive here)
+    constant_ids: tuple[int, ...]
+    outputs: list[Operand | Any]
+    report: CompileReport
+    finalizer: Any = field(default=None, repr=False)
+
+
+def _unload(generation: int, program_id: int) -> None:
+    rt = runtime_or_none()
+    if rt is None or rt.generation != generation or rt.executor.closed:
+        return
+    try:
+        _submit(rt.executor, UnloadProgram(program_id))
+    except Exception:  # noqa: BLE001 - best effort from a finalizer
+        log.debug("unloading compiled program %d failed", program_id, exc_info=True)
+
+
+class CompiledGraph:
+    """What aot_autograd runs for the forward graph (boxed calling convention: one list of inputs)."""
+
+    _boxed_call = True
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        fake_inputs: Sequence[Any],
+        *,
+        options: CompileOptions,
+        backend: str,
+        debug: bool = False,
+    ) -> None:
+        self.gm = gm
+        self.options = options
+        self.backend = backend
+        self.debug = debug
+        self.aten_text = format_aten_graph(gm)
+        tensors = [x for x in fake_inputs if isinstance(x, torch.Tensor)]
+        self.plain = not any(x.device.type == DEVICE_NAME for x in tensors)
+        self.device_type = tensors[0].device.type if tensors and self.plain else "cpu"
+        self.num_inputs = len(fake_inputs)
+        self.eager_reason: str | None = None
+        if any(not isinstance(s, int) for x in tensors for s in x.shape):
+            self.eager_reason = "symbolic (dynamic) shapes; pass dynamic=False to torch.compile"
+        self._variants: dict[Any, _Variant] = {}
+        self._lock = threading.Lock()
+        self._plain_fn: Callable[..., Any] | None = None
+        self.reports: list[CompileReport] = []
+
+    # --- calls --------------------------------------------------------------------------------------------------
+    def __call__(self, args: list[Any]) -> list[Any]:
+        if self.plain:
+            return self._call_plain(args)
+        if self.eager_reason is not None:
+            return list(self.gm(*args))
+        rt = get_runtime()
+        operands = self._operands(rt, args)
+        key = (rt.generation, tuple((x.mesh, x.placements) for x in operands))
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._compile(rt, key, operands)
+            if variant is None:
+                return list(self.gm(*args))
+        ex = rt.executor
+        outs: list[Any] = []
+        out_ids: list[int] = []
+        for o in variant.outputs:
+            if isinstance(o, Operand):
+                y = ex.input(o.shape, o.mesh, o.placements, dtype=o.dtype)
+                out_ids.append(y.id)
+                outs.append(y)
+            else:
+                outs.append(o)
+        in_ids = (*(x.id for x in operands), *variant.constant_ids)
+        _submit(ex, RunProgram(variant.program_id, in_ids, tuple(out_ids)))
+        for x in operands:
+            if x.tag == _SCALAR_TAG:  # uploaded for this call only
+                ex.free(x)
+        args.clear()  # boxed convention: drop the inputs early (their Free instructions follow RunProgram)
+        return [wrap(rt, y) if isinstance(y, Operand) else y for y in outs]
+
+    def _operands(self, rt: Runtime, args: Sequence[Any]) -> list[Operand]:
+        if len(args) != self.num_inputs:
+            raise TypeError(
+                f"{self.backend}: compiled graph called with {len(args)} inputs, expects {self.num_inputs}"
+            )
+        operands: list[Operand | None] = []
+        pending: list[int] = []
+        scalars: dict[int, torch.Tensor] = {}
+        mesh: DeviceMesh | None = None
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"{self.backend}: input {i} is {type(a).__name__}, expected a tensor")
+            if a.device.type == DEVICE_NAME:
+                x = TABLE.lookup(a, rt.generation)
+            elif a.dim() == 0:  # a Python-number-like CPU scalar: uploaded Replicate for this call
+                x = Operand(-1, (), a.dtype, None, (), tag=_SCALAR_TAG)
+                scalars[i] = a
+            else:
+                raise DeviceMismatchError(
+                    f"{self.backend}: input {i} is a {a.device} tensor of shape {tuple(a.shape)} next to dtorch "
+                    "tensors; move it with t.to('dtorch') or dt.distribute_tensor(t, mesh, placements)"
+                )
+            if x.mesh is None:
+                pending.append(i)
+            elif mesh is None:
+                mesh = x.mesh
+            operands.append(x)
+        if pending:
+            bind_mesh = mesh or binding.fallback_mesh(rt, f"{self.backend} compiled graph")
+            for i in pending:
+                pend = operands[i]
+                assert pend is not None
+                if i in scalars:
+                    y = rt.executor.input(
+                        (), bind_mesh, [Replicate()] * bind_mesh.ndim, dtype=pend.dtype, tag=_SCALAR_TAG
+                    )
+                    rt.executor.upload(y, scalars[i].detach().cpu())
+                    operands[i] = y
+                else:
+                    operands[i] = binding.bind(rt, pend, bind_mesh)
+        return operands  # type: ignore[return-value]
+
+    # --- compiling a variant ------------------------------------------------------------------------------------
+    def _compile(self, rt: Runtime, key: Any, operands: list[Operand]) -> _Variant | None:
+        with self._lock:
+            hit = self._variants.get(key)
+            if hit is not None:
+                return hit
+            report = CompileReport(self.aten_text, inputs=_describe_key(operands))
+            roots = {x.mesh.root for x in operands if x.mesh is not None}
+            if len(roots) > 1:
+                raise PlacementError(
+                    f"{self.backend}: the compiled graph's inputs live on different device meshes:\n"
+                    + "\n".join(f"    {line}" for line in report.inputs)
+                    + "\n  fix: redistribute the inputs onto one mesh first (pipeline stages: compile each stage)"
+                )
+            mesh = next(x.mesh for x in operands if x.mesh is not None)
+            specs = [InputSpec(x.shape, x.dtype, x.mesh, x.placements) for x in operands]
+            try:
+                prop = propagate(self.gm, specs, mesh=mesh, policy=self.options.redistribute)
+            except UnsupportedGraphError as e:
+                log.warning("%s: running this graph eagerly on dtorch tensors: %s", self.backend, e)
+                self.eager_reason = str(e)
+                report.error = str(e)
+                self._publish(report)
+                return None
+            root = mesh.root
+            programs = {d: build_local_program(prop, d, rt.torch_device(d)) for d in root.devices}
+            report.logical = str(prop.graph)
+            report.local = {d: str(p) for d, p in programs.items()}
+            self._publish(report)
+            if self.debug:
+                self.eager_reason = "dtorch_debug backend (graphs shown, run eagerly)"
+                return None
+            ex = rt.executor
+            constants: list[torch.Tensor] = []
+            constant_ids: list[int] = []
+            for value in prop.constants:
+                c = ex.input(tuple(value.shape), mesh, [Replicate()] * mesh.ndim, dtype=value.dtype)
+                ex.upload(c, value.to("cpu") if value.device.type != "cpu" else value)
+                constants.append(wrap(rt, c))
+                constant_ids.append(c.id)
+            pid = next(_PROGRAM_IDS)
+            _submit(
+                ex,
+                LoadProgram(
+                    pid,
+                    programs,
+                    worker_compiler=self.options.worker_compiler,
+                    cudagraphs=self.options.cudagraphs,
+                ),
+            )
+            variant = _Variant(pid, prop, programs, constants, tuple(constant_ids), prop.outputs, report)
+            variant.finalizer = weakref.finalize(variant, _unload, rt.generation, pid)
+            self._variants[key] = variant
+            log.debug(
+                "%s: compiled variant %d for %s (%d ops, %d collectives on device %d)",
+                self.backend,
+                pid,
+                ", ".join(placements_str(x.placements) for x in operands),
+                len(prop.graph),
+                programs[root.devices[0]].num_collectives,
+                root.devices[0],
+            )
+            return variant
+
+    def _publish(self, report: CompileReport) -> None:
+        self.reports.append(report)
+        if self.options.reports is not None:
+            self.options.reports.append(report)
+        if self.debug:
+            out = self.options.file if self.options.file is not None else sys.stdout
+            out.write(str(report))
+
+    # --- plain torch inputs -------------------------------------------------------------------------------------
+    def _call_plain(self, args: list[Any]) -> list[Any]:
+        fn = self._plain_fn
+        if fn is None:
+            fn = self._plain_compile(args)
+        return list(fn(*args))
+
+    def _plain_compile(self, args: Sequence[Any]) -> Callable[..., Any]:
+        with self._lock:
+            if self._plain_fn is not None:
+                return self._plain_fn
+            report = CompileReport(self.aten_text)
+            mesh = DeviceMesh.from_shape(self.device_type, (1,))
+            specs = [
+                InputSpec(tuple(a.shape), a.dtype, mesh, (Replicate(),))
+                for a in args
+                if isinstance(a, torch.Tensor)
+            ]
+            report.inputs = [
+                f"in{i}: {s.dtype} {list(s.shape)} R on a 1-device mesh" for i, s in enumerate(specs)
+            ]
+            try:
+                prop = propagate(self.gm, specs, mesh=mesh, policy=self.options.redistribute)
+                report.logical = str(prop.graph)
+                report.local = {0: str(build_local_program(prop, 0))}
+            except (DTorchError, NotImplementedError) as e:
+                # a 1-device program is the captured graph itself: nothing to propagate for execution
+                report.error = f"{type(e).__name__}: {e}".splitlines()[0]
+            self._publish(report)
+            fn: Callable[..., Any] = self.gm.forward
+            if self.options.worker_compiler == "inductor":
+                fn = _compile_in_thread(_fresh_copy(self.gm), list(args))
+            self._plain_fn = fn
+            return fn
+
+    @property
+    def num_variants(self) -> int:
+        return len(self._variants)
+
+
+def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` without aot's node metadata (its fake/functional values must not leak into a new inductor trace)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for node in graph.nodes:
+        node.meta = {}
+    return fx.GraphModule(gm, graph)
+
+
+def _compile_in_thread(gm: fx.GraphModule, args: list[Any]) -> Callable[..., Any]:
+    """Inductor-compile on a fresh thread: the first call still runs inside the outer compile's thread-local
+    tracing state (aot/dynamo contexts), which a nested inductor trace must not see. Workers compile on their own
+    threads anyway."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["fn"] = _compat.inductor_compile(gm, args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="dtorch-inductor-compile")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["fn"]  # type: ignore[no-any-return]
