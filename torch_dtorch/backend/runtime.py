@@ -51,13 +51,7 @@ _SCALAR_TAG = "scalar input"
 
 def _submit(executor: Any, instr: Any) -> None:
     """Append one instruction to the eager executor's pending batch (ordered with eager ops)."""
-    append = getattr(executor, "append_instruction", None)
-    if append is not None:
-        append(instr)
-        return
-    with executor._lock:  # the executor has no public append yet (see docs/compile.md, "Requests")
-        executor._check_open()
-        executor._append(instr)
+    executor.append_instruction(instr)
 
 
 def _describe_key(operands: Sequence[Operand]) -> list[str]:

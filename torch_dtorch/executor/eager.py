@@ -145,6 +145,12 @@ class EagerGraphExecutor:
             self._check_open()
             return self.constructor.redistribute(x, placements, device_mesh=device_mesh)
 
+    def append_instruction(self, instr: Instruction) -> None:
+        """Queue an instruction of another layer (e.g. the compile backend's ``RunProgram``) in issue order."""
+        with self._lock:
+            self._check_open()
+            self._append(instr)
+
     def _on_operator(self, node: Operator) -> None:
         call_site = _user_call_site() if get_config().debug else None
         instr: Instruction = (
