@@ -21,8 +21,8 @@ import torch
 
 from torch_dtorch.device import kernels, state
 from torch_dtorch.device.tensors import TABLE
+from torch_dtorch.executor.constructor import RedistributeSpec, redistribute_spec
 from torch_dtorch.graph import Operand
-from torch_dtorch.placement import Placements
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
 
@@ -66,13 +66,24 @@ class _Template:
     )
 
     def __init__(
-        self, rule: OpRule, call: OpCall, plan: Any, moved: list[int], outputs: list[Operand], mesh: Any
+        self,
+        rule: OpRule,
+        call: OpCall,
+        plan: Any,
+        moved: list[int],
+        outputs: list[Operand],
+        mesh: Any,
+        slot_pos: tuple[int, ...],
     ) -> None:
         targets = plan.match.in_targets
         self.rule = rule
         self.root_mesh = call.mesh
         self.in_placements = tuple(targets)
-        self.moves: tuple[tuple[int, Placements], ...] = tuple((i, targets[i]) for i in moved)
+        assert call.mesh is not None or not moved
+        self.moves: tuple[tuple[int, int, RedistributeSpec], ...] = tuple(
+            (i, slot_pos[i], redistribute_spec(call.inputs[i], call.mesh, targets[i]))  # type: ignore[arg-type]
+            for i in moved
+        )
         self.out_meta = plan.out_meta
         self.out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(plan.out_meta, outputs, strict=True))
         self.out_layouts = tuple(layout_of(o) for o in outputs)
@@ -181,7 +192,7 @@ class FastOp:
         first = next(x for x in expected if x is not None)
         if len(self.cache) >= _TEMPLATES_PER_OP:
             self.cache.clear()
-        self.cache[key] = _Template(rule, call, plan, moved, outputs, first.mesh)
+        self.cache[key] = _Template(rule, call, plan, moved, outputs, first.mesh, self.slot_pos)
         stats["recorded"] += 1
         return out
 

@@ -49,9 +49,9 @@ def _make_free_callback(rt: Runtime):  # noqa: ANN202 - closure factory
             deferred = binding._DEFERRED.pop(operand.id, None)
             if deferred is not None:
                 for bound in deferred.bound.values():
-                    executor.free(bound.id)
+                    executor.release(bound.id)
             return
-        executor.free(operand.id)
+        executor.release(operand.id)
 
     return on_free
 

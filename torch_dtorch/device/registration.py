@@ -11,10 +11,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torch_dtorch._compat import has_kernel_for_dispatch_key, setup_privateuse1_python_backend
+from torch_dtorch._compat import (
+    dispatch_mode_depth,
+    has_kernel_for_dispatch_key,
+    setup_privateuse1_python_backend,
+)
 from torch_dtorch.device import fastpath, kernels
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
 from torch_dtorch.placement_rules import intercept_list, registered_ops
+from torch_dtorch.placement_rules.indexing import SYNC_OPS
 
 __all__ = ["ensure_registered", "registered_kernels"]
 
@@ -59,14 +64,37 @@ def _generic(op: Any):  # noqa: ANN202
     return kernel
 
 
+def _requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether any tensor argument (top level or in a list) requires grad."""
+    Tensor = torch.Tensor
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, Tensor):
+            if a.requires_grad:
+                return True
+        elif type(a) is list or type(a) is tuple:
+            for t in a:
+                if isinstance(t, Tensor) and t.requires_grad:
+                    return True
+    return False
+
+
+#: the PrivateUse1 kernel registered for each overload (the autograd kernels of composite ops call it directly)
+_BACKEND_KERNELS: dict[Any, Any] = {}
+
+
 def _autograd(op: Any):  # noqa: ANN202
-    """Composite ops arrive whole unless an input requires grad; then they decompose so autograd sees primitives."""
+    """Composite ops arrive whole unless an input requires grad; then they decompose so autograd sees primitives.
+    Without grad the backend kernel is called directly (what the dispatcher would reach below autograd, without a
+    second trip through it)."""
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))
-        ):
+        if torch.is_grad_enabled() and _requires_grad(args, kwargs):
             return op.decompose(*args, **kwargs)
+        backend = _BACKEND_KERNELS.get(op)
+        if (
+            backend is not None and not dispatch_mode_depth()
+        ):  # torch.compile's fake/functional tracing: redispatch
+            return backend(*args, **kwargs)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args, **kwargs)
 
@@ -166,6 +194,42 @@ def _as_strided(self: torch.Tensor, size: Any, stride: Any, storage_offset: Any 
     return kernels.dispatch(aten.as_strided.default, (self, size, stride, storage_offset), {})
 
 
+#: calls that ran on the controller because their output shape depends on the data (tests read this)
+sync_stats = {"calls": 0}
+
+
+def _sync_kernel(op: Any, inner: Any):  # noqa: ANN202
+    """Data-dependent output shapes (``masked_select``, ``nonzero``, ``x[mask]``, ...): a sync point. The inputs are
+    gathered, the op runs on the controller, and tensor results come back Replicate on the inputs' mesh."""
+    from torch_dtorch.placement_rules.indexing import is_sync_call
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if inner is not None and not is_sync_call(op, args, kwargs):
+            return inner(*args, **kwargs)
+        from torch_dtorch.api import distribute_tensor, to_torch
+        from torch_dtorch.device.state import get_runtime
+
+        rt = get_runtime()
+        meshes = [
+            kernels.operand_of(t, rt).mesh
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and is_dtorch(t)
+        ]
+        mesh = next((m for m in meshes if m is not None), None)
+        log.debug("%s: data-dependent output shape; inputs gathered and the op run on the controller", op)
+        sync_stats["calls"] += 1
+        local_args, local_kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: to_torch(t) if is_dtorch(t) else t, (args, kwargs)
+        )
+        out = op(*local_args, **local_kwargs)
+        if mesh is None:
+            return pytree.tree_map_only(torch.Tensor, lambda t: t.to(DEVICE_NAME), out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: distribute_tensor(t, mesh), out)
+
+    kernel.__name__ = f"dtorch_sync_{op}"
+    return kernel
+
+
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Every overload that reaches the dtorch key without a kernel: a typed error naming it and the fix."""
     from torch_dtorch.errors import NoRuleError
@@ -216,6 +280,10 @@ def _schema_name(op: Any) -> str:
     return name if overload == "default" else f"{name}.{overload}"
 
 
+#: overloads whose kernel first checks for a data-dependent output shape (see ``_sync_kernel``)
+_MAYBE_SYNC = (*SYNC_OPS, aten.index.Tensor, aten.index_put.default)
+
+
 def ensure_registered() -> None:
     """Idempotent: rename PrivateUse1 to ``dtorch`` and register every kernel (once per process)."""
     global _DONE
@@ -226,11 +294,19 @@ def ensure_registered() -> None:
         lib = torch.library.Library("aten", "IMPL")
         _LIBS.append(lib)
         ops = [op for op in registered_ops() if not isinstance(op, str) and op.namespace == "aten"]
+        ops += [op for op in _MAYBE_SYNC if op not in ops]
         for op in ops:
             if op in _SPECIAL or op in _GENERIC_ALIASES:
                 continue
-            lib.impl(_schema_name(op), _generic(op), "PrivateUse1")
+            if op in _MAYBE_SYNC:
+                inner = _generic(op) if op not in SYNC_OPS else None
+                lib.impl(_schema_name(op), _sync_kernel(op, inner), "PrivateUse1")
+                _KERNELS[op] = "sync"
+                continue
+            generic = _generic(op)
+            lib.impl(_schema_name(op), generic, "PrivateUse1")
             _KERNELS[op] = "generic"
+            _BACKEND_KERNELS[op] = generic
         from torch_dtorch.placement_rules.inplace import _OUT_TO_FUNCTIONAL
 
         for out_op, functional in _OUT_TO_FUNCTIONAL.items():

@@ -82,9 +82,8 @@ class TensorTable:
         ref = _Ref(storage, self._dead)
         ref.key = key
         ref.on_free = on_free
-        entry = _Entry(operand, generation, operand.shape, layout, ref)
-        with self._lock:
-            self._entries[key] = entry
+        # one dict store: atomic under the GIL, so the hot path takes no lock
+        self._entries[key] = _Entry(operand, generation, operand.shape, layout, ref)
         return t
 
     def bind(
@@ -104,11 +103,12 @@ class TensorTable:
             self._entries[key] = _Entry(operand, generation, tuple(t.shape), None, ref)
 
     def _dead(self, ref: _Ref) -> None:
-        with self._lock:
-            entry = self._entries.get(ref.key)
-            if entry is None or entry.ref is not ref:
-                return
-            del self._entries[ref.key]
+        # the storage is being destroyed, so nothing can rebind its key meanwhile; single dict ops, no lock
+        entries = self._entries
+        entry = entries.get(ref.key)
+        if entry is None or entry.ref is not ref:
+            return
+        entries.pop(ref.key, None)
         ref.on_free(entry.operand)
 
     def entry(self, t: torch.Tensor) -> _Entry | None:

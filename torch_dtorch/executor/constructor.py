@@ -17,7 +17,7 @@ from torch_dtorch.placement import Placement, Placements, Replicate, normalize_p
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.planner import RedistributePlan, plan_redistribute
 
-__all__ = ["BoundOp", "GraphConstructor"]
+__all__ = ["BoundOp", "GraphConstructor", "RedistributeSpec", "redistribute_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,40 @@ class BoundOp(NamedTuple):
 
     rule: OpRule
     call: OpCall
+
+
+class RedistributeSpec(NamedTuple):
+    """Everything about one redistribute of an operand of a given layout (the eager fast path keeps these)."""
+
+    plan: RedistributePlan
+    out_mesh: DeviceMesh
+    out_placements: Placements
+    assign: AssignInfo
+    cost: OperatorCost
+    note: str
+
+
+def redistribute_spec(
+    x: Operand, mesh: DeviceMesh, root_placements: Placements, *, user_mesh: DeviceMesh | None = None
+) -> RedistributeSpec:
+    """Plan moving ``x`` to ``root_placements`` on ``mesh`` (which may be another mesh: a stage move)."""
+    assert x.mesh is not None
+    plan: RedistributePlan = plan_redistribute(
+        x.shape, x.mesh, x.placements, dst_mesh=mesh.root, dst_placements=root_placements
+    )
+    out_mesh = user_mesh if user_mesh is not None else mesh.root
+    out_pl = out_mesh.from_root_placements(root_placements)
+    if out_pl is None:
+        out_mesh, out_pl = mesh.root, root_placements
+    nbytes = x.nbytes()
+    return RedistributeSpec(
+        plan,
+        out_mesh,
+        out_pl,
+        AssignInfo(tuple(sorted(set(x.mesh.devices) | set(mesh.devices))), "comm"),
+        OperatorCost(bytes_read=nbytes, bytes_written=nbytes, comm_bytes=int(plan.comm_bytes(x.itemsize))),
+        "; ".join(str(s) for s in plan.steps) or "no-op",
+    )
 
 
 class GraphConstructor:
@@ -145,23 +179,23 @@ class GraphConstructor:
         out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
         assign: AssignInfo,
         cost: OperatorCost,
-        moves: Sequence[tuple[int, Placements]] = (),
+        moves: Sequence[tuple[int, int, RedistributeSpec]] = (),
     ) -> list[Operand]:
         """Add an operator whose plan is already known (the eager fast path replays what :meth:`call` decided for
         the same op, input layouts and constants). ``call.placements`` are the rule's input targets; ``moves``
-        lists the input slots to redistribute first, with their target root placements. Returns the outputs."""
+        lists ``(input slot, positional index, redistribute spec)`` of the inputs to move first. Returns the
+        outputs."""
         if moves:
             moved = list(call.inputs)
-            assert call.mesh is not None
-            for i, target in moves:
+            for i, _, spec in moves:
                 x = moved[i]
                 assert x is not None
-                moved[i] = self._redistribute(x, call.mesh, target)
+                moved[i] = self.emit_redistribute(x, spec)
             call = call.retarget(moved, call.placements)
         inputs = call.inputs
         view_of = rule.view_of
         base = inputs[view_of] if view_of is not None else None
-        view = ViewInfo(call.op, _non_tensor_args(call)) if base is not None else None
+        view = ViewInfo(call.op, non_tensor_args(call)) if base is not None else None
         grad = False
         for x in inputs:
             if x is not None and x.requires_grad:
@@ -210,19 +244,14 @@ class GraphConstructor:
         *,
         user_mesh: DeviceMesh | None = None,
     ) -> Operand:
-        assert x.mesh is not None
-        plan: RedistributePlan = plan_redistribute(
-            x.shape, x.mesh, x.placements, dst_mesh=mesh.root, dst_placements=root_placements
-        )
-        out_mesh = user_mesh if user_mesh is not None else mesh.root
-        out_pl = out_mesh.from_root_placements(root_placements)
-        if out_pl is None:
-            out_mesh, out_pl = mesh.root, root_placements
+        return self.emit_redistribute(x, redistribute_spec(x, mesh, root_placements, user_mesh=user_mesh))
+
+    def emit_redistribute(self, x: Operand, spec: RedistributeSpec) -> Operand:
+        """Add the redistribute operator ``spec`` describes for ``x``; returns the re-laid-out operand."""
         y = self.graph.new_operand(
-            TensorMeta(x.shape, x.dtype), out_mesh, out_pl, requires_grad=x.requires_grad
+            TensorMeta(x.shape, x.dtype), spec.out_mesh, spec.out_placements, requires_grad=x.requires_grad
         )
         y.copy_of = x
-        comm = plan.comm_bytes(x.itemsize)
         self._emit(
             REDISTRIBUTE,
             args=(x,),
@@ -230,10 +259,10 @@ class GraphConstructor:
             inputs=[x],
             outputs=[y],
             family="collective",
-            assign=AssignInfo(tuple(sorted(set(x.mesh.devices) | set(mesh.devices))), "comm"),
-            cost=OperatorCost(bytes_read=x.nbytes(), bytes_written=y.nbytes(), comm_bytes=int(comm)),
-            note="; ".join(str(s) for s in plan.steps) or "no-op",
-            payload=plan,
+            assign=spec.assign,
+            cost=spec.cost,
+            note=spec.note,
+            payload=spec.plan,
         )
         return y
 
@@ -261,7 +290,7 @@ class GraphConstructor:
         inputs: list[Operand | None],
     ) -> Operand:
         base = inputs[view_of] if view_of is not None else None
-        view = ViewInfo(call.op, _non_tensor_args(call)) if base is not None else None
+        view = ViewInfo(call.op, non_tensor_args(call)) if base is not None else None
         requires_grad = any(x.requires_grad for x in inputs if x is not None) and meta.dtype.is_floating_point
         if mesh is None:
             return self.graph.new_operand(meta, None, (), base=base, view=view, requires_grad=requires_grad)
@@ -314,5 +343,5 @@ def _check_write_reaches_base(op: Any, written: Operand) -> None:
     return
 
 
-def _non_tensor_args(call: OpCall) -> tuple[Any, ...]:
+def non_tensor_args(call: OpCall) -> tuple[Any, ...]:
     return tuple(a for a in call.args if not isinstance(a, Operand))

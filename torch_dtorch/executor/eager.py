@@ -14,6 +14,7 @@ one resolver thread.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -28,10 +29,16 @@ import torch
 
 from torch_dtorch.collectives.errors import TensorStoreTimeout
 from torch_dtorch.config import RedistributePolicy, get_config
-from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
+from torch_dtorch.executor.constructor import (
+    REDISTRIBUTE,
+    BoundOp,
+    GraphConstructor,
+    RedistributeSpec,
+    non_tensor_args,
+)
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
-from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta
+from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta, ViewInfo
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Placements, Replicate, local_shape_and_offset
 from torch_dtorch.placement_rules import OpCall, OpRule
@@ -87,6 +94,8 @@ class EagerGraphExecutor:
         self.constructor.listeners.append(self._on_operator)
         self._lock = threading.RLock()
         self._pending: list[Instruction] = []
+        #: ids of operands whose last tensor died (:meth:`release`), freed before the next instruction
+        self._dead: collections.deque[int] = collections.deque()
         self._last = 0.0
         self._keys = itertools.count()
         self._closed = False
@@ -129,13 +138,79 @@ class EagerGraphExecutor:
         out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
         assign: AssignInfo,
         cost: OperatorCost,
-        moves: Sequence[tuple[int, Placements]] = (),
+        moves: Sequence[tuple[int, int, RedistributeSpec]] = (),
     ) -> list[Operand]:
-        """Record an operator whose plan is known (see :meth:`GraphConstructor.call_planned`)."""
+        """Record an operator whose plan is known (see :meth:`GraphConstructor.call_planned`). The eager fast path
+        calls this for every cache hit, so the common case (no redistribute, only this executor listening, nothing
+        recorded) builds the operands, the operator and its instruction inline."""
         with self._lock:
             if self._closed:
                 self._check_open()
-            return self.constructor.call_planned(rule, call, out_specs, assign, cost, moves)
+            c = self.constructor
+            g = c.graph
+            if g.record or len(c.listeners) != 1:
+                return c.call_planned(rule, call, out_specs, assign, cost, moves)
+            call_site = _user_call_site() if get_config().debug else None
+            if moves:
+                call = self._replay_moves(call, moves, call_site)
+            inputs = call.inputs
+            grad = False
+            for x in inputs:
+                if x is not None and x.requires_grad:
+                    grad = True
+                    break
+            view_of = rule.view_of
+            base = inputs[view_of] if view_of is not None else None
+            view = ViewInfo(call.op, non_tensor_args(call)) if base is not None else None
+            outs = []
+            oid = g._next_operand
+            for meta, mesh, pl in out_specs:
+                dtype = meta.dtype
+                outs.append(
+                    Operand(
+                        oid,
+                        meta.shape,
+                        dtype,
+                        mesh,
+                        pl,
+                        meta.stride,
+                        None,
+                        [],
+                        base,
+                        view,
+                        grad and dtype.is_floating_point,
+                    )  # fmt: skip
+                )
+                oid += 1
+            g._next_operand = oid
+            node = Operator(
+                g._next_operator, call.op, call.args, call.kwargs, inputs, outs, rule.family, assign, cost, "",
+                BoundOp(rule, call),
+            )  # fmt: skip
+            g._next_operator += 1
+            self._append(RunOp(node, call_site))
+            return outs
+
+    def _replay_moves(
+        self, call: OpCall, moves: Sequence[tuple[int, int, RedistributeSpec]], call_site: str | None
+    ) -> OpCall:
+        # callers hold self._lock; the inline form of GraphConstructor.emit_redistribute for each moved input
+        g = self.constructor.graph
+        inputs = list(call.inputs)
+        args = list(call.args)
+        for slot, pos, spec in moves:
+            x = inputs[slot]
+            assert x is not None
+            y = Operand(g._next_operand, x.shape, x.dtype, spec.out_mesh, spec.out_placements, None, None, [],
+                        None, None, x.requires_grad, None, x)  # fmt: skip
+            g._next_operand += 1
+            node = Operator(g._next_operator, REDISTRIBUTE, (x,), {}, [x], [y], "collective", spec.assign,
+                            spec.cost, spec.note, spec.plan)  # fmt: skip
+            g._next_operator += 1
+            self._append(Redistribute(node, call_site))
+            inputs[slot] = y
+            args[pos] = y
+        return OpCall(call.op, tuple(args), call.kwargs, inputs, call.mesh, call.placements, call.out_meta)
 
     def redistribute(
         self, x: Operand, placements: Sequence[Placement], device_mesh: DeviceMesh | None = None
@@ -163,6 +238,8 @@ class EagerGraphExecutor:
     def _append(self, instr: Instruction) -> None:
         # callers hold self._lock
         pending = self._pending
+        if self._dead:
+            self._drain_dead()
         pending.append(instr)
         self._last = time.monotonic()
         if len(pending) >= self.batch_size:
@@ -250,6 +327,35 @@ class EagerGraphExecutor:
             self._requests.put(_Request(fut, key, (device,), {}, (), (), local=device))
         return fut
 
+    def release(self, operand_id: int) -> None:
+        """Free an operand whose last tensor died (called from the tensor table's weakref callback, on any thread):
+        lock-free, the id joins a ``Free`` in front of the next instruction (or the next flush)."""
+        dead = self._dead
+        dead.append(operand_id)
+        if len(dead) == 1 and not self._pending:
+            self._last = time.monotonic()
+            self._wake.set()  # nothing else queued: the timer flushes the frees
+
+    def _drain_dead(self) -> None:
+        # callers hold self._lock; popleft is atomic, so releases racing with the drain are never lost
+        dead = self._dead
+        ids: list[int] = []
+        take = dead.popleft
+        try:
+            while True:
+                ids.append(take())
+        except IndexError:
+            pass
+        if not ids:
+            return
+        pending = self._pending
+        if pending:
+            last = pending[-1]
+            if type(last) is Free and len(last.operand_ids) < _FREE_CHUNK:  # type: ignore[union-attr]
+                last.operand_ids.extend(ids)  # type: ignore[union-attr]
+                return
+        pending.append(Free(ids))
+
     def free(self, operand: int | Operand) -> None:
         """Drop an operand's blobs on every worker, in order with the operators (consecutive frees share one
         ``Free``), so memory is released as soon as the last reader ran."""
@@ -272,6 +378,8 @@ class EagerGraphExecutor:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
+        if self._dead:
+            self._drain_dead()
         if not self._pending:
             return
         batch, self._pending = self._pending, []
@@ -298,6 +406,7 @@ class EagerGraphExecutor:
                 return
             self._closed = True
             self._pending = []
+            self._dead.clear()
         self._wake.set()
         try:
             self.runner.shutdown()
@@ -327,7 +436,7 @@ class EagerGraphExecutor:
             self._wake.clear()
             while not self._closed:
                 with self._lock:
-                    if not self._pending:
+                    if not self._pending and not self._dead:
                         break
                     due = self._last + self.flush_interval - time.monotonic()
                     if due <= 0:
