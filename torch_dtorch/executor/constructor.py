@@ -193,19 +193,7 @@ class GraphConstructor:
                 moved[i] = self.emit_redistribute(x, spec)
             call = call.retarget(moved, call.placements)
         inputs = call.inputs
-        view_of = rule.view_of
-        base = inputs[view_of] if view_of is not None else None
-        view = ViewInfo(call.op, non_tensor_args(call)) if base is not None else None
-        grad = False
-        for x in inputs:
-            if x is not None and x.requires_grad:
-                grad = True
-                break
-        new = self.graph.new_operand
-        outputs = [
-            new(meta, mesh, pl, base=base, view=view, requires_grad=grad and meta.dtype.is_floating_point)
-            for meta, mesh, pl in out_specs
-        ]
+        outputs = planned_outputs(self.graph, rule, call, out_specs)
         node = self.graph.add_operator(
             call.op,
             args=call.args,
@@ -341,6 +329,36 @@ def _check_write_reaches_base(op: Any, written: Operand) -> None:
             )
         x = x.base
     return
+
+
+def planned_outputs(
+    graph: LogicalGraph,
+    rule: OpRule,
+    call: OpCall,
+    out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
+) -> list[Operand]:
+    """The output operands of a planned call (views keep their base; ``requires_grad`` follows the inputs)."""
+    inputs = call.inputs
+    grad = False
+    for x in inputs:
+        if x is not None and x.requires_grad:
+            grad = True
+            break
+    view_of = rule.view_of
+    base = inputs[view_of] if view_of is not None else None
+    view = ViewInfo(call.op, non_tensor_args(call)) if base is not None else None
+    outs = []
+    oid = graph._next_operand
+    for meta, mesh, pl in out_specs:
+        dtype = meta.dtype
+        o = Operand(oid, meta.shape, dtype, mesh, pl, meta.stride, None, [], base, view,
+                    grad and dtype.is_floating_point)  # fmt: skip
+        outs.append(o)
+        if graph.record:
+            graph.operands[oid] = o
+        oid += 1
+    graph._next_operand = oid
+    return outs
 
 
 def non_tensor_args(call: OpCall) -> tuple[Any, ...]:

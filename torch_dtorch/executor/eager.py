@@ -22,7 +22,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +34,11 @@ from torch_dtorch.executor.constructor import (
     BoundOp,
     GraphConstructor,
     RedistributeSpec,
-    non_tensor_args,
+    planned_outputs,
 )
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
-from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta, ViewInfo
+from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Placements, Replicate, local_shape_and_offset
 from torch_dtorch.placement_rules import OpCall, OpRule
@@ -154,35 +154,7 @@ class EagerGraphExecutor:
             if moves:
                 call = self._replay_moves(call, moves, call_site)
             inputs = call.inputs
-            grad = False
-            for x in inputs:
-                if x is not None and x.requires_grad:
-                    grad = True
-                    break
-            view_of = rule.view_of
-            base = inputs[view_of] if view_of is not None else None
-            view = ViewInfo(call.op, non_tensor_args(call)) if base is not None else None
-            outs = []
-            oid = g._next_operand
-            for meta, mesh, pl in out_specs:
-                dtype = meta.dtype
-                outs.append(
-                    Operand(
-                        oid,
-                        meta.shape,
-                        dtype,
-                        mesh,
-                        pl,
-                        meta.stride,
-                        None,
-                        [],
-                        base,
-                        view,
-                        grad and dtype.is_floating_point,
-                    )  # fmt: skip
-                )
-                oid += 1
-            g._next_operand = oid
+            outs = planned_outputs(g, rule, call, out_specs)
             node = Operator(
                 g._next_operator, call.op, call.args, call.kwargs, inputs, outs, rule.family, assign, cost, "",
                 BoundOp(rule, call),
@@ -225,6 +197,27 @@ class EagerGraphExecutor:
         with self._lock:
             self._check_open()
             self._append(instr)
+
+    def append_with_outputs(
+        self,
+        specs: Sequence[tuple[tuple[int, ...], torch.dtype, DeviceMesh, Placements, tuple[int, ...] | None]],
+        make: Callable[[list[Operand]], Instruction],
+    ) -> list[Operand]:
+        """New operands of known metadata (``(shape, dtype, mesh, placements, stride)`` each) and the instruction
+        ``make(operands)`` that fills them, queued in issue order under one lock acquisition (the compile backend's
+        ``RunProgram``: one call, one instruction)."""
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            g = self.constructor.graph
+            oid = g._next_operand
+            outs = [Operand(oid + i, *spec) for i, spec in enumerate(specs)]
+            g._next_operand = oid + len(outs)
+            if g.record:
+                for o in outs:
+                    g.operands[o.id] = o
+            self._append(make(outs))
+            return outs
 
     def _on_operator(self, node: Operator) -> None:
         call_site = _user_call_site() if get_config().debug else None
