@@ -18,7 +18,6 @@ import collections
 import itertools
 import logging
 import os
-import queue
 import sys
 import threading
 import time
@@ -27,7 +26,6 @@ from typing import Any
 
 import torch
 
-from torch_dtorch.collectives.errors import TensorStoreTimeout
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import (
     REDISTRIBUTE,
@@ -38,11 +36,12 @@ from torch_dtorch.executor.constructor import (
 )
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
+from torch_dtorch.executor.resolver import ValueRequest, ValueResolver
 from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Placements, Replicate, local_shape_and_offset
 from torch_dtorch.placement_rules import OpCall, OpRule
-from torch_dtorch.placement_rules.simulate import assemble, distribute
+from torch_dtorch.placement_rules.simulate import distribute
 
 __all__ = ["EagerGraphExecutor"]
 
@@ -50,7 +49,6 @@ log = logging.getLogger(__name__)
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_POLL_S = 0.1
 
 
 #: ids merged into one Free instruction at most
@@ -100,12 +98,10 @@ class EagerGraphExecutor:
         self._keys = itertools.count()
         self._closed = False
         self._wake = threading.Event()
-        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self.num_flushes = 0
         self._timer = threading.Thread(target=self._timer_loop, name="dtorch-flush-timer", daemon=True)
         self._timer.start()
-        self._resolver = threading.Thread(target=self._resolve_loop, name="dtorch-resolver", daemon=True)
-        self._resolver.start()
+        self._resolver = ValueResolver(self)
 
     # --- recording ----------------------------------------------------------------------------------------------
     @property
@@ -301,8 +297,8 @@ class EagerGraphExecutor:
             key = next(self._keys)
             self._pending.append(Fetch(operand, key, devices))
             self._flush_locked()
-            self._requests.put(
-                _Request(fut, key, devices, {c: device_at[r] for c, r in rep.items()}, root.shape, rp)
+            self._resolver.put(
+                ValueRequest(fut, key, devices, {c: device_at[r] for c, r in rep.items()}, root.shape, rp)
             )
         return fut
 
@@ -317,7 +313,7 @@ class EagerGraphExecutor:
             key = next(self._keys)
             self._pending.append(Fetch(operand, key, (device,)))
             self._flush_locked()
-            self._requests.put(_Request(fut, key, (device,), {}, (), (), local=device))
+            self._resolver.put(ValueRequest(fut, key, (device,), {}, (), (), local=device))
         return fut
 
     def release(self, operand_id: int) -> None:
@@ -388,7 +384,7 @@ class EagerGraphExecutor:
             self._flush_locked()
         deadline = None if timeout is None else time.monotonic() + timeout
         for d in self.runner.devices:
-            self._store_take((key, d), deadline)
+            self._resolver.store_take((key, d), deadline)
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -404,9 +400,8 @@ class EagerGraphExecutor:
         try:
             self.runner.shutdown()
         finally:
-            self._requests.put(None)
+            self._resolver.close()
             self._timer.join(5.0)
-            self._resolver.join(5.0)
 
     @property
     def closed(self) -> bool:
@@ -437,88 +432,10 @@ class EagerGraphExecutor:
                         break
                 time.sleep(due)
 
-    def _resolve_loop(self) -> None:
-        while True:
-            req = self._requests.get()
-            if req is None:
-                break
-            try:
-                self._resolve(req)
-            except Exception as e:  # noqa: BLE001 - delivered to the waiting caller
-                req.future.set_exception(e)
-        # fail whatever is still queued (shutdown)
-        while True:
-            try:
-                req = self._requests.get_nowait()
-            except queue.Empty:
-                break
-            if req is not None:
-                req.future.set_exception(
-                    RuntimeError("EagerGraphExecutor: shut down before the value arrived")
-                )
-
-    def _resolve(self, req: _Request) -> None:
-        by_device: dict[int, Any] = {}
-        for d in req.devices:  # take every entry, even after an error, so the store does not keep them
-            try:
-                by_device[d] = self._store_take((req.key, d), None)
-            except Exception as e:  # noqa: BLE001
-                by_device[d] = e
-        errors = [v for v in by_device.values() if isinstance(v, BaseException)]
-        if errors:
-            req.future.set_exception(errors[0])
-            return
-        if req.local is not None:
-            result = by_device[req.local]
-        else:
-            shards = {c: by_device[d] for c, d in req.source.items()}
-            result = assemble(shards, req.mesh_shape, req.placements, check_replicas=False)
-        if self.result_device is not None:
-            result = result.to(self.result_device)
-        req.future.set_result(result)
-
-    def _store_take(self, key: tuple[int, int], deadline: float | None) -> Any:
-        """Wait for ``key`` in the runner's store and remove it (polls so that shutdown is noticed)."""
-        store = self.runner.store
-        while True:
-            if self._closed:
-                raise RuntimeError("EagerGraphExecutor: shut down before the value arrived")
-            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            if wait <= 0:
-                raise TimeoutError(f"EagerGraphExecutor: no answer for {key} in time")
-            try:
-                return store.pop(key, wait)
-            # only the store's own timeout: a WorkerHangError (cluster mode) is a TimeoutError that must reach the caller
-            except TensorStoreTimeout:
-                continue
-
     def __repr__(self) -> str:
         return (
             f"EagerGraphExecutor({self.runner!r}, batch_size={self.batch_size}, pending={len(self._pending)})"
         )
-
-
-class _Request:
-    __slots__ = ("future", "key", "devices", "source", "mesh_shape", "placements", "local")
-
-    def __init__(
-        self,
-        future: TensorFuture,
-        key: int,
-        devices: tuple[int, ...],
-        source: dict[tuple[int, ...], int],
-        mesh_shape: tuple[int, ...],
-        placements: tuple[Placement, ...],
-        *,
-        local: int | None = None,
-    ) -> None:
-        self.future = future
-        self.key = key
-        self.devices = devices
-        self.source = source  # mesh coordinate -> device whose shard stands for it
-        self.mesh_shape = mesh_shape
-        self.placements = placements
-        self.local = local  # fetch_local: the one device whose shard is the result
 
 
 def _root(operand: Operand, what: str) -> DeviceMesh:
