@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from torch_dtorch import device as _device
-from torch_dtorch import nn  # noqa: E402 - module parallelism (layers, parallelize_module, pipeline)
+from torch_dtorch import nn, tools  # noqa: E402 - module parallelism (layers, parallelize_module, pipeline)
 from torch_dtorch.api import (
     distribute_tensor,
     empty,
@@ -34,6 +34,7 @@ from torch_dtorch.api import (
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.nn import parallelize_module
+from torch_dtorch.tools import TensorChecker, profile
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "TensorChecker",
     "TensorFuture",
     "__version__",
     "distribute_tensor",
@@ -53,6 +55,7 @@ __all__ = [
     "nn",
     "ones",
     "parallelize_module",
+    "profile",
     "rand",
     "randn",
     "redistribute",
@@ -61,6 +64,7 @@ __all__ = [
     "sync",
     "to_torch",
     "to_torch_async",
+    "tools",
     "zeros",
 ]
 

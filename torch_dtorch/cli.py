@@ -94,6 +94,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p_worker.set_defaults(func=_cmd_worker)
 
+    # ``debug-mismatch`` and ``roofline`` (torch_dtorch/tools/commands.py; imported when the parser is built, the
+    # heavy imports happen inside the commands)
+    from torch_dtorch.tools.commands import add_parsers as _add_tool_parsers
+
+    _add_tool_parsers(sub)
+
     p_version = sub.add_parser("version", help="print torch-dtorch, torch and python versions")
     p_version.set_defaults(func=_cmd_version)
     return parser

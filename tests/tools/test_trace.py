@@ -1,0 +1,100 @@
+"""``dt.profile``: Chrome trace-event JSON that validates against the format, and a 2-stage pipeline whose
+micro-batches visibly overlap across the stages' workers."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import torch_dtorch as dt
+from tests.eager.conftest import thread_only
+from tests.tools.conftest import init_mesh
+from torch_dtorch.executor.messages import RunOp
+from torch_dtorch.nn.pipeline import pipeline_forward, pipeline_parallel
+from torch_dtorch.runtime import kernel as kernel_mod
+
+REQUIRED = {"ph", "ts", "pid", "tid", "name"}
+PHASES = {"X", "B", "E", "i", "I", "M", "C"}
+
+
+def validate_trace(obj: Any) -> list[dict[str, Any]]:
+    """The trace-event format (JSON object form): required keys, numeric times, ``dur`` >= 0 on ``X`` events."""
+    assert isinstance(obj, dict) and isinstance(obj.get("traceEvents"), list)
+    for ev in obj["traceEvents"]:
+        missing = REQUIRED - ev.keys()
+        assert not missing, f"{ev} lacks {missing}"
+        assert ev["ph"] in PHASES, ev
+        assert isinstance(ev["name"], str) and isinstance(ev["ts"], int | float)
+        assert isinstance(ev["pid"], int) and isinstance(ev["tid"], int)
+        if ev["ph"] == "X":
+            assert isinstance(ev.get("dur"), int | float) and ev["dur"] >= 0, ev
+        if ev["ph"] in ("i", "I"):
+            assert ev.get("s", "t") in ("g", "p", "t"), ev
+    return list(obj["traceEvents"])
+
+
+def test_validator_rejects_bad_events() -> None:
+    for bad in (
+        {"ph": "X", "ts": 0, "pid": 0, "tid": 0, "name": "a"},
+        {"ph": "X", "ts": 0, "pid": 0, "name": "a"},
+    ):
+        try:
+            validate_trace({"traceEvents": [bad]})
+        except AssertionError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+
+
+class Chain(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@thread_only
+def test_pipeline_trace_overlaps_stages(tmp_path: Path) -> None:
+    delay = 0.05
+    torch.manual_seed(0)
+    model = Chain(2).eval()
+    stages = pipeline_parallel(model, init_mesh((2,), mesh_dim_names=("pp",)))
+
+    def slow(instr: object, device: int) -> None:
+        if isinstance(instr, RunOp) and "linear" in str(instr.node.op):
+            time.sleep(delay)
+
+    kernel_mod.before_hooks.append(slow)
+    path = tmp_path / "trace.json"
+    with dt.profile(path) as prof, torch.no_grad():
+        pipeline_forward(model, torch.randn(8, 8), num_microbatches=4, mesh=stages.meshes[0]).full_tensor()
+    events = validate_trace(json.loads(path.read_text()))
+    spans = [e for e in events if e["ph"] == "X"]
+    linear = {d: [e for e in spans if e["pid"] == d and e["name"] == "aten.linear"] for d in (0, 1)}
+    assert len(linear[0]) == 4 and len(linear[1]) == 4, {d: len(v) for d, v in linear.items()}
+    assert all(
+        e["dur"] >= delay * 1e6 * 0.9 for e in linear[0] + linear[1]
+    )  # the slow part is inside the span
+    assert any(e["cat"] == "collective" and e["name"] == "redistribute" for e in spans)  # the stage move
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {(0, "worker 0"), (1, "worker 1"), (-1, "controller")} <= names
+    assert any(e["ph"] == "i" and e["name"] == "flush" for e in events)
+    overlaps = [
+        (a, b)
+        for a in linear[0]
+        for b in linear[1]
+        if a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
+    ]
+    assert overlaps, "no stage-0 linear ran while a stage-1 linear ran: the micro-batches did not overlap"
+    png = prof.save_gantt(tmp_path / "gantt.png")
+    assert png.stat().st_size > 1000
+    # the hooks are gone after the block
+    assert prof._before not in kernel_mod.before_hooks and prof._after not in kernel_mod.after_hooks
