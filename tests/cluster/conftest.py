@@ -3,7 +3,6 @@ tests share module-scoped clusters where they can; the ones that must kill a clu
 
 from __future__ import annotations
 
-import glob
 import os
 import time
 from collections.abc import Iterator
@@ -11,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import torch_dtorch as dt
+from torch_dtorch.executor.cluster_runner import ClusterRunner
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by worker processes: tiny kernels, 2 shared cores
 
@@ -35,9 +35,19 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def leftovers() -> list[str]:
-    """Shared-memory files and private socket directories of dtorch still on disk."""
-    return glob.glob("/dev/shm/*dtorch*") + [d for d in glob.glob("/tmp/dtorch-*") if os.path.isdir(d)]
+def owned_paths(runner: ClusterRunner) -> list[str]:
+    """What ``runner`` put on disk: its shared-memory directory and its private socket directories. (Other
+    engineers and CI jobs run clusters on the same machine: a global ``/dev/shm/*dtorch*`` scan is not ours.)"""
+    paths = [runner._tmpdir, *(s._tmpdir for s in (runner._pub, runner._pull) if s is not None and s._tmpdir)]
+    if runner._shm is not None:
+        paths.append(str(runner._shm.path))
+    assert all(os.path.exists(p) for p in paths), paths
+    return paths
+
+
+def leftovers(paths: list[str]) -> list[str]:
+    """The paths of ``paths`` still on disk."""
+    return [p for p in paths if os.path.exists(p)]
 
 
 @pytest.fixture(autouse=True, scope="module")

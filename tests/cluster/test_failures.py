@@ -2,7 +2,8 @@
 
 - a worker killed (SIGKILL) mid-batch: ``WorkerLostError`` (worker, host, last op) within 1 s; pending futures fail
   with it; the other workers exit;
-- a worker stopped (SIGSTOP): ``WorkerLostError`` after ``DTORCH_HEARTBEAT_TIMEOUT_S`` (1 s) of silence;
+- a worker stopped (SIGSTOP): ``WorkerLostError`` after ``DTORCH_HEARTBEAT_TIMEOUT_S`` (1 s) of silence, counted
+  from the last beat the controller received from it (silence starts there, not at the signal);
 - a worker busy on one op beyond ``DTORCH_HANG_TIMEOUT_S``: ``WorkerHangError`` (its heartbeat kept beating);
 - the controller killed: every worker exits within 2 s.
 """
@@ -19,8 +20,9 @@ import pytest
 import torch
 
 import torch_dtorch as dt
-from tests.cluster.conftest import leftovers, wait_gone
+from tests.cluster.conftest import leftovers, owned_paths, wait_gone
 from torch_dtorch import Replicate, Shard
+from torch_dtorch.collectives.shm_store import cleanup_stale
 from torch_dtorch.device.state import get_runtime
 from torch_dtorch.executor.cluster_runner import ClusterRunner
 from torch_dtorch.executor.heartbeat import WorkerHangError, WorkerLostError
@@ -57,9 +59,17 @@ def fail_within(futs: list[dt.TensorFuture], error: type[Exception], t0: float, 
     return e.value
 
 
+def shm_leftover(runner: ClusterRunner) -> None:
+    """Plant a value in the runner's shared-memory directory, as a worker killed between writing a fetched value
+    and sending its message would leave it; the controller must remove it at shutdown."""
+    assert runner._shm is not None
+    runner._shm.put("f-stray", torch.ones(4))
+
+
 def test_worker_killed_mid_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    before = set(leftovers())
     mesh, runner, pids = start(monkeypatch, "aten.cos:0:0.2")
+    owned = owned_paths(runner)
+    shm_leftover(runner)
     futs = busy_work(mesh, 20)  # ~4 s of work on worker 0
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -70,18 +80,26 @@ def test_worker_killed_mid_batch(monkeypatch: pytest.MonkeyPatch) -> None:
         dt.sync()  # later requests raise it too
     assert wait_gone(pids, 5.0) == []
     dt.shutdown()
-    assert set(leftovers()) <= before
+    assert leftovers(owned) == []
 
 
 def test_worker_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
-    before = set(leftovers())
     mesh, runner, pids = start(monkeypatch, "aten.cos:0:0.2")
+    owned = owned_paths(runner)
     futs = busy_work(mesh, 20)
     time.sleep(0.3)
-    t0 = time.monotonic()
+    monitor = runner._monitor
+    assert monitor is not None and monitor.death_timeout_s == 1.0  # the documented default
     os.kill(pids[1], signal.SIGSTOP)
     try:
-        err = fail_within(futs, WorkerLostError, t0, 1.0 + 0.5)  # DTORCH_HEARTBEAT_TIMEOUT_S + detection
+        with pytest.raises(WorkerLostError) as e:
+            futs[-1].get(timeout=10)
+        # the silence starts at w1's last beat the controller received (at most one beat interval before the
+        # signal): the failure must reach the caller DTORCH_HEARTBEAT_TIMEOUT_S after it, plus detection
+        silent = time.monotonic() - monitor.workers()["w1"].last_beat
+        assert 1.0 <= silent < 1.0 + 0.5, f"WorkerLostError {silent:.2f} s after the last beat"
+        assert all(f.is_ready() for f in futs)
+        err = e.value
         assert err.worker == "w1" and "no heartbeat" in str(err)
         assert wait_gone(pids, 6.0) == []  # the stopped one is killed after the exit grace
     finally:
@@ -90,7 +108,7 @@ def test_worker_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
         except ProcessLookupError:
             pass
     dt.shutdown()
-    assert set(leftovers()) <= before
+    assert leftovers(owned) == []
 
 
 def test_worker_hung_in_a_long_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +134,7 @@ mesh = dt.init_device_mesh("cpu", (2,), mode="process")
 x = dt.distribute_tensor(torch.ones(4), mesh, [dt.Shard(0)])
 assert x.full_tensor().sum().item() == 4
 r = dt.device.state.get_runtime().executor.runner
-print(" ".join(str(m.proc.pid) for m in r.members.values()), flush=True)
+print(" ".join(str(m.proc.pid) for m in r.members.values()), r._shm.path, flush=True)
 time.sleep(120)
 """
 
@@ -126,13 +144,17 @@ def test_workers_exit_when_the_controller_dies() -> None:
     try:
         assert ctl.stdout is not None
         line = ctl.stdout.readline()
-        pids = [int(p) for p in line.split()]
-        assert len(pids) == 2, line
+        *words, shm_dir = line.split()
+        pids = [int(p) for p in words]
+        assert len(pids) == 2 and os.path.isdir(shm_dir), line
         ctl.kill()
         ctl.wait(5)
         t0 = time.monotonic()
         assert wait_gone(pids, 2.0) == [], "workers outlived their controller by 2 s"
         assert time.monotonic() - t0 < 2.0
+        # a SIGKILLed controller leaves its shared-memory directory; the next one removes it (cleanup_stale)
+        cleanup_stale()
+        assert not os.path.exists(shm_dir)
     finally:
         if ctl.poll() is None:
             ctl.kill()

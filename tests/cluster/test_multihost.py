@@ -29,14 +29,23 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def worker_cmd(controller: str, secret: Path, devices: str, host: str, timeout: float = 60.0) -> list[str]:
+# Start-up budgets: a remote worker imports torch twice (`dtorch worker`, then its worker process) while the
+# controller waits; on a loaded 2-core CI box that alone has taken over a minute.
+START_TIMEOUT_S = 180.0
+
+
+def worker_cmd(
+    controller: str, secret: Path, devices: str, host: str, timeout: float = START_TIMEOUT_S
+) -> list[str]:
     return [sys.executable, "-m", "torch_dtorch.cli", "worker", "--controller", controller, "--secret-file",
             str(secret), "--devices", devices, "--host", host, "--start-timeout", str(timeout)]  # fmt: skip
 
 
 def run_cluster(controller_host: str, procs: list[subprocess.Popen[str]], secret: Path) -> ClusterRunner:
     port_endpoint = procs[0].args[5]  # type: ignore[index]
-    cfg = ClusterConfig(listen=port_endpoint, secret_file=str(secret), local_devices=(), start_timeout_s=90)
+    cfg = ClusterConfig(
+        listen=port_endpoint, secret_file=str(secret), local_devices=(), start_timeout_s=START_TIMEOUT_S
+    )
     mesh = dt.init_device_mesh("cpu", (2,), mode="process", cluster=cfg)
     x = torch.randn(6, 5)
     d = dt.distribute_tensor(x, mesh, [Shard(0)])
@@ -71,7 +80,7 @@ def test_workers_on_loopback_addresses_and_a_wrong_secret(tmp_path: Path) -> Non
         runner = run_cluster("127.0.0.1", procs, secret)
         assert {m.peer for m in runner.members.values()} == {"127.0.0.2", "127.0.0.3"}
         assert {m.host for m in runner.members.values()} == {"127.0.0.2", "127.0.0.3"}
-        _, err = bad.communicate(timeout=30)
+        _, err = bad.communicate(timeout=60)
         assert bad.returncode != 0 and "no WELCOME" in err, err
         refused = [r for r in runner.rejected if "refused" in r]
         assert refused and "signature does not match" in refused[0] and "127.0.0.4" in refused[0], (

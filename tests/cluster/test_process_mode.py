@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_dtorch as dt
-from tests.cluster.conftest import alive
+from tests.cluster.conftest import alive, leftovers, owned_paths
 from torch_dtorch import Partial, Replicate, Shard
 from torch_dtorch.device.state import get_runtime
 from torch_dtorch.executor.cluster_runner import ClusterRunner
@@ -107,6 +107,27 @@ def test_tampered_replayed_and_unsigned_messages_are_dropped_and_reported(mesh: 
     torch.testing.assert_close((x + 1).full_tensor(), torch.arange(6.0) + 1)  # still working, in order
 
 
+def test_late_join_with_a_wrong_secret_is_refused_and_reported(mesh: dt.DeviceMesh) -> None:
+    import zmq
+
+    r = runner()
+    before = len(r.rejected)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(r.control_endpoint)
+        join = {"device": 9, "nonce": "n", "pid": 1, "host": "intruder"}
+        sock.send_multipart(encode(join, kind=MessageKind.JOIN, seq=1, sender="w9", secret=b"x" * 32))
+        deadline = time.monotonic() + 5
+        while len(r.rejected) == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        sock.close()
+    new = r.rejected[before:]
+    assert new and "refused" in new[0] and "signature does not match" in new[0], new
+    assert r.failure is None
+
+
 def test_mode_from_environment(monkeypatch: pytest.MonkeyPatch, mesh: dt.DeviceMesh) -> None:
     monkeypatch.setenv("DTORCH_MODE", "process")
     from torch_dtorch.config import Config
@@ -117,3 +138,35 @@ def test_mode_from_environment(monkeypatch: pytest.MonkeyPatch, mesh: dt.DeviceM
         Config()
     with pytest.raises(ValueError, match="mode must be one of"):
         dt.init_device_mesh("cpu", (2,), mode="procs")
+
+
+def test_large_tensors_travel_through_shared_memory(mesh: dt.DeviceMesh) -> None:
+    r = runner()
+    shm = r._shm
+    assert shm is not None and os.path.isdir(shm.path) and r.config.shm_threshold == 1 << 20
+    calls: list[tuple[str, object]] = []
+    put, pop = shm.put, shm.pop
+    shm.put = lambda key, t: (calls.append(("put", key)), put(key, t))[1]  # type: ignore[method-assign]
+    shm.pop = lambda key, timeout=None: (calls.append(("pop", key)), pop(key, timeout))[1]  # type: ignore[method-assign]
+    try:
+        small = torch.randn(64, 64)  # 16 KiB: ZMQ frames
+        assert torch.equal(dt.distribute_tensor(small, mesh, [Replicate()]).full_tensor(), small)
+        assert calls == []
+        big = torch.randn(1024, 384)  # 1.5 MiB: above the threshold for every upload and the fetch
+        d = dt.distribute_tensor(big, mesh, [Replicate()])
+        assert torch.equal((d * 2).full_tensor(), big * 2)
+        uploads = [k for op, k in calls if op == "put" and str(k).startswith("u-")]
+        assert len(uploads) == 3, calls  # one per worker
+        assert [k for op, k in calls if op == "pop" and str(k).startswith("f-")], calls  # the fetch came back
+        assert os.listdir(shm.path) == []  # every value was claimed by its receiver
+    finally:
+        del shm.put, shm.pop
+
+
+def test_shutdown_is_graceful_and_leaves_nothing(mesh: dt.DeviceMesh) -> None:
+    r = runner()
+    owned = owned_paths(r)
+    procs = [m.proc for m in r.members.values() if m.proc is not None]
+    dt.shutdown()
+    assert [p.returncode for p in procs] == [0, 0, 0]  # SHUTDOWN, not "controller lost" (3)
+    assert leftovers(owned) == []

@@ -192,3 +192,14 @@ def test_cleanup_stale_removes_only_dead_owners(tmp_path: Path) -> None:
     finally:
         live.close()
     assert not live.path.exists()
+
+
+def test_large_values_are_mapped_copy_on_write(store: ShmTensorStore) -> None:
+    big = torch.randn(256, 129)  # > 64 KiB: mapped, not copied; odd row length: the data offset stays aligned
+    store.put("big", big)
+    got = store.get("big")
+    got.mul_(0)  # a private mapping: the stored value does not change
+    again = store.pop("big")
+    assert torch.equal(again, big) and not got.any()
+    assert os.listdir(store.path) == []  # the file is gone; the tensor keeps its pages
+    assert torch.equal(again * 1, big)

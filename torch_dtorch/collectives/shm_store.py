@@ -2,8 +2,10 @@
 
 One session is one directory, ``<base>/<prefix>-<owner pid>-<random>``, created mode ``0700`` under ``/dev/shm``
 (memory-backed; falls back to the temp directory where ``/dev/shm`` is missing or not writable). Every value is one
-file named by :meth:`TensorStore.key_str`: a small header (magic, format version, dtype name, shape) followed by the
-raw bytes of the contiguous tensor — never pickle. Writers publish atomically: they write a private temp file and
+file named by :meth:`TensorStore.key_str`: a small header (magic, format version, dtype name, shape, padded to 64 bytes)
+followed by the raw bytes of the contiguous tensor — never pickle. Values of at least 64 KiB are read by mapping the
+file (private, copy-on-write): the returned tensor uses the file's memory pages without copying them, and writes to
+it never reach the stored value. Writers publish atomically: they write a private temp file and
 hard-link it to the final name (which fails if the key already holds a value), so a reader never sees half a file.
 :meth:`~ShmTensorStore.get` and :meth:`~ShmTensorStore.pop` poll with a short exponential backoff (50 µs to 5 ms);
 ``pop`` claims the file by renaming it first, so exactly one process gets each value, and unlinks it.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import mmap
 import os
 import secrets
 import shutil
@@ -42,7 +46,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "dtorch-store"
 _MAGIC = b"DTSH"
-_VERSION = 1
+_VERSION = 2
+_ALIGN = 64  # the data starts at a multiple of this (any dtype can be viewed in place)
+_MMAP_MIN_BYTES = 64 << 10  # smaller values are read into a fresh tensor
 _KIND_TENSOR, _KIND_ERROR = 0, 1
 # magic, version, kind, dtype-name length, ndim
 _HEAD = struct.Struct("<4sHHHH")
@@ -84,6 +90,7 @@ def _encode(value: object) -> list[bytes | memoryview]:
     name = str(t.dtype).removeprefix("torch.").encode()
     head = _HEAD.pack(_MAGIC, _VERSION, _KIND_TENSOR, len(name), t.ndim) + name
     head += struct.pack(f"<{t.ndim}q", *t.shape)
+    head += b"\0" * (-len(head) % _ALIGN)
     if t.numel() == 0:
         return [head]
     return [head, t.reshape(-1).view(torch.uint8).numpy().data]
@@ -107,8 +114,21 @@ def _read(path: Path) -> torch.Tensor | RemoteError:
         if dtype is None:
             raise TensorStoreError(f"ShmTensorStore: {path.name} names an unknown dtype")
         shape = struct.unpack(f"<{ndim}q", f.read(8 * ndim))
+        offset = _HEAD.size + name_len + 8 * ndim
+        offset += -offset % _ALIGN
+        nbytes = math.prod(shape) * dtype.itemsize
+        size = os.fstat(f.fileno()).st_size
+        if size != offset + nbytes:
+            raise TensorStoreError(
+                f"ShmTensorStore: {path.name} holds {size - offset} of {nbytes} data bytes"
+            )
+        if nbytes >= _MMAP_MIN_BYTES:
+            mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # the tensor keeps the mapping alive; the file may be unlinked at once (pop)
+            return torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
         out = torch.empty(shape, dtype=dtype)
-        if out.numel():
+        if nbytes:
+            f.seek(offset)
             buf = out.reshape(-1).view(torch.uint8).numpy().data  # a writable memoryview of out's bytes
             got = f.readinto(buf)
             if got != buf.nbytes:

@@ -175,6 +175,19 @@ class ClusterConfig:
             shm_threshold=int(_env_float(ENV_SHM_THRESHOLD, DEFAULT_SHM_THRESHOLD)),
         )
 
+    def bind_host(self) -> str:
+        """The address the controller binds its TCP endpoints on (and remote workers connect to)."""
+        listen = self.listen
+        if listen is None or not listen.startswith("tcp://"):
+            return "127.0.0.1"
+        host = listen[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        if host in ("*", "0.0.0.0", ""):
+            raise ValueError(
+                f"ClusterConfig.listen={listen!r}: give the concrete address remote workers reach this host on "
+                "(e.g. tcp://10.0.0.5:29600), not a wildcard"
+            )
+        return host
+
     @property
     def remote(self) -> bool:
         """Whether remote workers may join (the control endpoint is TCP on a non-loopback address)."""

@@ -10,8 +10,9 @@ thread-mode :class:`~torch_dtorch.executor.worker.Worker`. What differs is the p
    initialized here) and get the secret through an inherited pipe; every worker (local or remote) sends a signed
    ``JOIN`` and receives a ``WELCOME``; the PUB/SUB handshake; every worker reports ready once its Gloo/NCCL world
    is built. Anything missing after ``start_timeout_s`` raises :class:`WorkerStartError` naming it.
-2. work: batches are encoded by the codec and published in order; uploads go to their worker's control socket;
-   values, barrier markers and acks come back on the PULL socket (a receiver thread).
+2. work: batches are encoded by the codec and published in order; uploads go to their worker's control socket
+   (large ones to local workers through the shared-memory store); values, barrier markers and acks come back on the
+   PULL socket (a receiver thread, which also refuses late JOINs on the control socket).
 3. failure: a worker that dies (heartbeat stream breaks, or its process exits) or stops beating for
    ``DTORCH_HEARTBEAT_TIMEOUT_S`` fails the runner with :class:`WorkerLostError` (worker, host, last op); one busy on
    one op beyond ``DTORCH_HANG_TIMEOUT_S`` with :class:`WorkerHangError`. Every pending and later value request
@@ -21,11 +22,8 @@ thread-mode :class:`~torch_dtorch.executor.worker.Worker`. What differs is the p
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,6 +33,8 @@ from typing import Any, Literal
 
 import zmq
 
+from torch_dtorch.collectives.shm_store import ShmTensorStore, cleanup_stale
+from torch_dtorch.executor.cluster_joins import JoinDesk, Member, reap_local_workers, spawn_worker
 from torch_dtorch.executor.cluster_protocol import (
     ClusterConfig,
     WorkerFailedError,
@@ -45,33 +45,21 @@ from torch_dtorch.executor.cluster_protocol import (
 from torch_dtorch.executor.cluster_store import ControllerStore, value_body, value_from_body
 from torch_dtorch.executor.heartbeat import HeartbeatError, HeartbeatMonitor, WorkerHangError, WorkerLostError
 from torch_dtorch.executor.messages import Instruction
-from torch_dtorch.executor.transport import MessageKind, Publisher, Puller, TransportError
-from torch_dtorch.executor.transport.wire import decode, encode
+from torch_dtorch.executor.transport import (
+    HandshakeTimeoutError,
+    MessageKind,
+    Publisher,
+    Puller,
+    TransportError,
+)
 
 __all__ = ["ClusterRunner"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
+_JOIN_POLL_S = 0.05  # after start-up, the receiver thread answers late JOINs this often
 _EXIT_GRACE_S = 3.0
-
-
-class _Member:
-    """What the controller knows about one worker."""
-
-    __slots__ = ("device", "worker_id", "proc", "identity", "host", "peer", "pid", "seq", "acked", "ready")
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        self.worker_id = f"w{device}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.identity: bytes | None = None  # ROUTER identity of its control socket
-        self.host = ""  # as the worker reports it
-        self.peer = ""  # the address its JOIN came from (TCP only)
-        self.pid = 0
-        self.seq = 0  # uploads sent on its control socket
-        self.acked = 0  # last batch it acknowledged
-        self.ready = False
 
 
 class ClusterRunner:
@@ -116,10 +104,11 @@ class ClusterRunner:
             secret = read_secret_file(self.config.secret_file) if self.config.secret_file else new_secret()
         self._secret = secret
         self._encoder = BatchEncoder()
-        self.members = {d: _Member(d) for d in self.devices}
+        self.members = {d: Member(d) for d in self.devices}
         self._by_id = {m.worker_id: m for m in self.members.values()}
         self.store = ControllerStore(self._send_value, timeout_s=self._collective_timeout_s)
-        self._lock = threading.RLock()  # sends on PUB / control
+        self._lock = threading.RLock()  # sends on PUB / control (and the join desk, which shares the socket)
+        self._fail_lock = threading.Lock()
         self._acks = threading.Condition()
         self._closed = False
         self.failure: BaseException | None = None
@@ -134,6 +123,8 @@ class ClusterRunner:
         self._pub: Publisher | None = None
         self._pull: Puller | None = None
         self._control: zmq.Socket[bytes] | None = None
+        self._desk: JoinDesk | None = None
+        self._shm: ShmTensorStore | None = None
         try:
             self._start()
         except BaseException:
@@ -141,22 +132,9 @@ class ClusterRunner:
             raise
 
     # --- start-up -----------------------------------------------------------------------------------------------
-    def _host(self) -> str:
-        """The address this controller binds its TCP endpoints on (and remote workers connect to)."""
-        listen = self.config.listen
-        if listen is None or not listen.startswith("tcp://"):
-            return "127.0.0.1"
-        host = listen[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        if host in ("*", "0.0.0.0", ""):
-            raise ValueError(
-                f"ClusterConfig.listen={listen!r}: give the concrete address remote workers reach this host on "
-                "(e.g. tcp://10.0.0.5:29600), not a wildcard"
-            )
-        return host
-
     def _start(self) -> None:
         cfg = self.config
-        host = self._host()
+        host = cfg.bind_host()
         remote = cfg.remote
         tcp = remote or cfg.transport == "tcp" or (cfg.listen or "").startswith("tcp://")
         t0 = time.monotonic()
@@ -197,6 +175,7 @@ class ClusterRunner:
         except zmq.ZMQError as e:
             raise WorkerStartError(f"ClusterRunner: cannot bind the control endpoint {control}: {e}") from e
         self.control_endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._open_shm()
         self._welcome = {
             "session": self._pub.session,
             "pub": self._pub.endpoint,
@@ -213,16 +192,25 @@ class ClusterRunner:
             "collective_timeout_s": self._collective_timeout_s,
             "imports": list(cfg.worker_imports),
         }
+        self._desk = JoinDesk(
+            ctl,
+            secret=self._secret,
+            session=self._pub.session,
+            members=self.members,
+            welcome=self._welcome_for,
+            on_reject=on_reject,
+        )
         for d in cfg.local(self.devices):
-            self._spawn(self.members[d])
+            spawn_worker(
+                self.members[d],
+                control_endpoint=self.control_endpoint,
+                secret=self._secret,
+                start_timeout_s=cfg.start_timeout_s,
+                extra_env=cfg.extra_env,
+            )
         deadline = t0 + cfg.start_timeout_s
         self._accept_joins(deadline)
-        left = max(0.1, deadline - time.monotonic())
-        ids = [m.worker_id for m in self.members.values()]
-        try:
-            self._pub.handshake(self._pull, workers=ids, timeout=left)
-        except TransportError as e:
-            raise WorkerStartError(f"ClusterRunner: {e}") from e
+        self._handshake(deadline)
         self._wait_ready(deadline)
         for target, name in (
             (self._receive_loop, "dtorch-cluster-recv"),
@@ -238,122 +226,71 @@ class ClusterRunner:
             self.control_endpoint,
         )
 
-    def _spawn(self, m: _Member) -> None:
-        rfd, wfd = os.pipe()
+    def _open_shm(self) -> None:
+        """The shared-memory store of local workers (removed at shutdown; stale ones of dead controllers first)."""
+        if self.config.shm_threshold <= 0 or not any(True for _ in self.config.local(self.devices)):
+            return
         try:
-            os.write(wfd, self._secret.hex().encode())
-        finally:
-            os.close(wfd)
-        env = dict(os.environ)
-        env.update(self.config.extra_env)
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch_dtorch.executor.worker",
-            "--controller",
-            self.control_endpoint,
-            "--device",
-            str(m.device),
-            "--secret-fd",
-            str(rfd),
-            "--start-timeout",
-            str(self.config.start_timeout_s),
-        ]
-        try:
-            m.proc = subprocess.Popen(
-                cmd, pass_fds=(rfd,), env=env, stdin=subprocess.DEVNULL, start_new_session=True
-            )
+            cleanup_stale()
+            self._shm = ShmTensorStore(timeout_s=0)
         except OSError as e:
-            raise WorkerStartError(
-                f"ClusterRunner: could not start worker {m.worker_id} ({cmd[:3]}): {e}"
-            ) from e
-        finally:
-            os.close(rfd)
-        log.debug("ClusterRunner: started %s as pid %d", m.worker_id, m.proc.pid)
+            log.warning("ClusterRunner: no shared-memory store (%s): every tensor travels as ZMQ frames", e)
 
-    def _missing(self, what: str) -> str:
-        waiting = [m for m in self.members.values() if not (m.ready if what == "ready" else m.identity)]
-        parts = []
-        for m in waiting:
-            state = "remote: not joined" if m.proc is None else f"local pid {m.proc.pid}"
-            if m.proc is not None and m.proc.poll() is not None:
-                state = f"local process exited with code {m.proc.returncode}"
-            parts.append(f"{m.worker_id} ({state})")
-        return ", ".join(parts)
-
-    def _check_spawned(self) -> None:
-        for m in self.members.values():
-            if m.proc is not None and m.proc.poll() is not None:
-                raise WorkerStartError(
-                    f"ClusterRunner: worker {m.worker_id} (pid {m.proc.pid}) exited with code {m.proc.returncode} "
-                    "during start-up; its log is on this process's stderr"
-                )
+    def _welcome_for(self, m: Member) -> dict[str, Any]:
+        if m.local and self._shm is not None:
+            return dict(self._welcome, shm=str(self._shm.path), shm_threshold=self.config.shm_threshold)
+        return self._welcome
 
     def _accept_joins(self, deadline: float) -> None:
-        ctl = self._control
-        assert ctl is not None
+        desk = self._desk
+        assert desk is not None
         while any(m.identity is None for m in self.members.values()):
-            self._check_spawned()
+            desk.check_spawned()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WorkerStartError(
                     f"ClusterRunner: workers did not join {self.control_endpoint} within "
-                    f"{self.config.start_timeout_s:g} s: {self._missing('join')}. Start remote workers with "
+                    f"{self.config.start_timeout_s:g} s: {desk.missing('join')}. Start remote workers with "
                     f"`dtorch worker --controller {self.control_endpoint} --secret-file F --devices ...`, or raise "
                     "DTORCH_WORKER_START_TIMEOUT_S."
                 )
-            if not ctl.poll(round(min(left, _POLL_S) * 1000), zmq.POLLIN):
-                continue
-            identity, *frames = ctl.recv_multipart(copy=False)
-            try:
-                msg = decode(frames, secret=self._secret)
-            except TransportError as e:
-                peer = _peer(frames)
-                self._on_reject(TransportError(f"join from {peer} refused: {e}"))
-                continue
-            body = msg.body if isinstance(msg.body, dict) else {}
-            device = body.get("device")
-            m = self.members.get(device) if isinstance(device, int) else None
-            if msg.kind != MessageKind.JOIN or m is None or m.identity is not None:
-                why = (
-                    "not a JOIN"
-                    if msg.kind != MessageKind.JOIN
-                    else f"device {device!r} is not expected or taken"
-                )
-                self._on_reject(TransportError(f"join from {msg.sender!r} ({_peer(frames)}) refused: {why}"))
-                reply = {"nonce": body.get("nonce"), "refused": why}
-                ctl.send_multipart(
-                    [identity.bytes, *self._encode(reply, kind=MessageKind.WELCOME, seq=0)], copy=False
-                )
-                continue
-            m.identity = identity.bytes
-            m.peer = _peer(frames)
-            m.host = str(body.get("host") or m.peer)
-            m.pid = int(body.get("pid") or 0)
-            welcome = dict(self._welcome, nonce=body.get("nonce"), worker=m.worker_id)
-            ctl.send_multipart(
-                [m.identity, *self._encode(welcome, kind=MessageKind.WELCOME, seq=0)], copy=False
-            )
-            log.debug("ClusterRunner: %s joined from %s (pid %d)", m.worker_id, m.host, m.pid)
+            desk.serve(min(left, _POLL_S))
 
-    def _encode(self, body: Any, *, kind: MessageKind, seq: int) -> list[Any]:
-        assert self._pub is not None
-        return encode(
-            body, kind=kind, seq=seq, sender="controller", secret=self._secret, session=self._pub.session
-        )
+    def _handshake(self, deadline: float) -> None:
+        """PUB/SUB handshake, in slices: a local worker that exits meanwhile fails start-up at once."""
+        assert self._pub is not None and self._pull is not None and self._desk is not None
+        ids = [m.worker_id for m in self.members.values()]
+        while True:
+            self._desk.check_spawned()
+            left = deadline - time.monotonic()
+            try:
+                self._pub.handshake(self._pull, workers=ids, timeout=max(0.1, min(left, 1.0)))
+                return
+            except HandshakeTimeoutError as e:
+                if left <= 1.0:
+                    raise WorkerStartError(
+                        f"ClusterRunner: PUB/SUB handshake: no acknowledgement from {list(e.missing)} within "
+                        f"{self.config.start_timeout_s:g} s of start-up: check that they connect to "
+                        f"{self._pub.endpoint} and {self._pull.endpoint} with the same cluster secret"
+                    ) from e
+            except TransportError as e:
+                raise WorkerStartError(f"ClusterRunner: {e}") from e
 
     def _wait_ready(self, deadline: float) -> None:
         pull = self._pull
         assert pull is not None
+        desk = self._desk
+        assert desk is not None
         while not all(m.ready for m in self.members.values()):
-            self._check_spawned()
+            desk.check_spawned()
+            desk.serve(0)
             if self.failure is not None:
                 raise WorkerStartError(f"ClusterRunner: a worker failed during start-up: {self.failure}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WorkerStartError(
                     f"ClusterRunner: workers not ready within {self.config.start_timeout_s:g} s (their "
-                    f"collectives rendezvous did not finish): {self._missing('ready')}"
+                    f"collectives rendezvous did not finish): {desk.missing('ready')}"
                 )
             msg = pull.recv(min(left, _POLL_S))
             if msg is not None:
@@ -379,12 +316,16 @@ class ClusterRunner:
         m = self.members.get(device)
         if m is None or m.identity is None:
             raise ValueError(f"ClusterRunner: no worker for device {device} (devices {list(self.devices)})")
+        if self.failure is not None:
+            raise self.failure
+        shm = self._shm if m.local else None
+        body = value_body(key, value, shm=shm, threshold=self.config.shm_threshold, direction="u")
+        assert self._desk is not None and self._control is not None
         with self._lock:
             if self.failure is not None:
                 raise self.failure
             m.seq += 1
-            frames = self._encode(value_body(key, value), kind=MessageKind.VALUE, seq=m.seq)
-            assert self._control is not None
+            frames = self._desk.encode(body, kind=MessageKind.VALUE, seq=m.seq)
             self._control.send_multipart([m.identity, *frames], copy=False)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -398,11 +339,22 @@ class ClusterRunner:
 
     # --- the receiver thread ------------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
-        pull = self._pull
-        assert pull is not None
+        pull, desk = self._pull, self._desk
+        assert pull is not None and desk is not None
+        next_joins = 0.0
         while not self._closed:
+            now = time.monotonic()
+            if now >= next_joins:  # late JOINs: refused and reported (the socket is shared with uploads)
+                next_joins = now + _JOIN_POLL_S
+                with self._lock:
+                    if self._closed:
+                        return
+                    try:
+                        desk.serve(0)
+                    except zmq.ZMQError:
+                        return
             try:
-                msg = pull.recv(_POLL_S)
+                msg = pull.recv(_JOIN_POLL_S)
             except TransportError as e:  # a sequence gap: replies were lost
                 if not self._closed:
                     self._on_failure(WorkerFailedError(f"ClusterRunner: lost worker replies: {e}"))
@@ -420,11 +372,16 @@ class ClusterRunner:
         body = msg.body if isinstance(msg.body, dict) else {}
         if msg.kind == MessageKind.VALUE:
             try:
-                key, value = value_from_body(body, device=m.device)
+                shm = self._shm if m.local else None
+                key, value = value_from_body(body, device=m.device, shm=shm, direction="f")
             except Exception as e:  # noqa: BLE001
                 self._on_reject(TransportError(f"bad VALUE from {m.worker_id}: {e}"))
                 return
             self.store.deliver(key, value)
+            if isinstance(body.get("ack"), int):  # the batch that ended with this reply is done
+                with self._acks:
+                    m.acked = body["ack"]
+                    self._acks.notify_all()
         elif msg.kind == MessageKind.ACK:
             if body.get("ready"):
                 m.ready = True
@@ -444,23 +401,17 @@ class ClusterRunner:
     def _watch_procs(self) -> None:
         """Local workers: a process that exits without being asked is lost (faster than any heartbeat)."""
         while not self._closed and self.failure is None:
-            for m in self.members.values():
-                if m.proc is not None and m.proc.poll() is not None and not self._closed:
-                    last = None
-                    if self._monitor is not None:
-                        st = self._monitor.workers().get(m.worker_id)
-                        last = st.last_op if st is not None else None
-                    code = m.proc.returncode
-                    why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                    self._on_failure(
-                        WorkerLostError(
-                            m.worker_id,
-                            host=m.host,
-                            last_op=last,
-                            reason=f"process {m.proc.pid} ended ({why})",
-                        )
-                    )
-                    return
+            m = next(
+                (m for m in self.members.values() if m.proc is not None and m.proc.poll() is not None), None
+            )
+            if m is not None and m.proc is not None and not self._closed:
+                st = self._monitor.workers().get(m.worker_id) if self._monitor is not None else None
+                code = m.proc.returncode
+                why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                reason = f"process {m.proc.pid} ended ({why})"
+                last = st.last_op if st is not None else None
+                self._on_failure(WorkerLostError(m.worker_id, host=m.host, last_op=last, reason=reason))
+                return
             time.sleep(0.05)
 
     # --- failure ------------------------------------------------------------------------------------------------
@@ -469,7 +420,7 @@ class ClusterRunner:
         self.rejected.append(str(err))
 
     def _on_failure(self, err: BaseException) -> None:
-        with self._lock:
+        with self._fail_lock:  # not self._lock: a sender holding it must not delay the failure
             if self.failure is not None or self._closed:
                 return
             self.failure = err
@@ -521,21 +472,15 @@ class ClusterRunner:
             for m in self.members.values():
                 self._monitor.forget(m.worker_id)
         deadline = time.monotonic() + (timeout if graceful else _EXIT_GRACE_S)
-        for m in self.members.values():
-            p = m.proc
-            if p is None:
-                continue
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("ClusterRunner: worker %s (pid %d) did not exit; killing it", m.worker_id, p.pid)
-                p.kill()
-                try:
-                    p.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    log.error("ClusterRunner: worker %s (pid %d) survived SIGKILL", m.worker_id, p.pid)
+        reap_local_workers(self.members.values(), deadline)
+        remote = [m.worker_id for m in self.members.values() if m.proc is None and m.identity is not None]
         if self._monitor is not None:
-            self._monitor.stop()  # remote workers see the controller leave and exit by themselves
+            # stopping the monitor cancels the streams: let remote workers see SHUTDOWN and say goodbye first
+            if remote:
+                still = self._monitor.wait_gone(remote, timeout_s=max(0.5, deadline - time.monotonic()))
+                if still:
+                    log.warning("ClusterRunner: remote workers %s did not say goodbye in time", still)
+            self._monitor.stop()  # remote workers that are still there see the controller leave and exit
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(2.0)
@@ -547,6 +492,8 @@ class ClusterRunner:
                 self._control.close(linger=0)
         self._tcp_store = None  # closes its listening socket
         self.store.close()
+        if self._shm is not None:
+            self._shm.close()  # the owner: removes the directory and whatever a killed worker left in it
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def __enter__(self) -> ClusterRunner:
@@ -558,13 +505,6 @@ class ClusterRunner:
     def __repr__(self) -> str:
         state = "failed" if self.failure is not None else "closed" if self._closed else "running"
         return f"ClusterRunner(devices={list(self.devices)}, {self.device_type}, {state})"
-
-
-def _peer(frames: Sequence[Any]) -> str:
-    try:
-        return str(frames[0].get("Peer-Address"))
-    except Exception:  # noqa: BLE001 - ipc sockets have no peer address
-        return "local peer"
 
 
 __all__ += ["HeartbeatError", "WorkerHangError", "WorkerLostError"]

@@ -9,6 +9,12 @@ cross-process :class:`StorePoisonBoard`.
 
 Both keep received values in a :class:`~torch_dtorch.collectives.store.MemoryTensorStore` inbox, so the order in
 which an upload's bytes and its ``Upload`` instruction arrive does not matter.
+
+Between processes of one host, tensors of at least ``DTORCH_SHM_THRESHOLD_BYTES`` go through the controller's
+:class:`~torch_dtorch.collectives.shm_store.ShmTensorStore` instead (:func:`value_body` with ``shm``): the sender
+writes the value there, under a name derived from its key and direction (``u``: upload, ``f``: fetched value),
+before sending the signed ``VALUE`` message that names it; the receiver claims (pops) it on that message. The name
+never comes from the message (only the key, an int pair), and the directory is private to this user (0700).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import torch
 
 from torch_dtorch.collectives.errors import TensorStoreError, TensorStoreTimeout
+from torch_dtorch.collectives.shm_store import ShmTensorStore
 from torch_dtorch.collectives.store import MemoryTensorStore, StoreKey, TensorStore
 from torch_dtorch.executor.cluster_protocol import decode_error, encode_error
 from torch_dtorch.runtime.blob import KernelError
@@ -130,24 +137,44 @@ class WorkerStore(_InboxStore):
         return f"WorkerStore(device={self.device})"
 
 
-def value_body(key: StoreKey, value: Any) -> dict[str, Any]:
-    """The body of a ``VALUE`` message carrying ``value`` (a tensor, or an exception as its fields)."""
+def shm_key(key: StoreKey, direction: str) -> str:
+    """The shared-memory store key of ``key`` sent in ``direction`` (``"u"`` upload, ``"f"`` fetched value)."""
+    return f"{direction}-{TensorStore.key_str(key)}"
+
+
+def value_body(
+    key: StoreKey, value: Any, *, shm: ShmTensorStore | None = None, threshold: int = 0, direction: str = ""
+) -> dict[str, Any]:
+    """The body of a ``VALUE`` message carrying ``value`` (a tensor, or an exception as its fields). With ``shm``,
+    a tensor of at least ``threshold`` bytes is written there first and the body only names it."""
     if isinstance(value, BaseException):
         return {"key": wire_key(key), "error": encode_error(value)}
     if not isinstance(value, torch.Tensor):
         raise TensorStoreError(
             f"only tensors and errors travel through the store, got {type(value).__name__}"
         )
+    if shm is not None and value.numel() * value.element_size() >= threshold > 0:
+        shm.put(shm_key(key, direction), value)
+        return {"key": wire_key(key), "shm": direction}
     return {"key": wire_key(key), "tensor": value}
 
 
-def value_from_body(body: Any, *, device: int) -> tuple[StoreKey, Any]:
-    """Inverse of :func:`value_body`."""
+def value_from_body(
+    body: Any, *, device: int, shm: ShmTensorStore | None = None, direction: str = ""
+) -> tuple[StoreKey, Any]:
+    """Inverse of :func:`value_body` (a value sent through ``shm`` is claimed from it)."""
     if not isinstance(body, dict) or "key" not in body:
         raise TensorStoreError(f"malformed VALUE message from device {device}: {type(body).__name__}")
     key = key_from_wire(body["key"])
     if "error" in body:
         return key, decode_error(body["error"], device=device)
+    if "shm" in body:
+        if shm is None or body["shm"] != direction:
+            raise TensorStoreError(
+                f"VALUE message for {key!r} from device {device} names a shared-memory value ({body['shm']!r}) "
+                "but this side has no shared-memory store for that direction"
+            )
+        return key, shm.pop(shm_key(key, direction), 0.0)  # written before the message was sent
     tensor = body.get("tensor")
     if not isinstance(tensor, torch.Tensor):
         raise TensorStoreError(f"VALUE message for {key!r} from device {device} holds no tensor")

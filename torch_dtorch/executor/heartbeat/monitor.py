@@ -54,6 +54,10 @@ class WorkerStatus:
     busy_key: tuple[str, float] | None = None  # (op, worker's busy_since): one op invocation
     busy_started: float = 0.0  # time.monotonic() when busy_key was first seen
     left: bool = False  # said goodbye (STOPPING) - no error when its stream ends
+    released: bool = (
+        False  # being shut down on purpose (:meth:`HeartbeatMonitor.forget`): not watched any more
+    )
+    ended: bool = False  # its beat stream is over (goodbye, death or cancellation)
     lost: bool = False
     hung: bool = False
 
@@ -172,7 +176,27 @@ class HeartbeatMonitor:
         with self._lock:
             st = self._workers.get(worker)
             if st is not None:
-                st.left = True
+                st.released = True
+
+    def wait_gone(self, worker_ids: Iterable[str], *, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` until every worker of ``worker_ids`` said goodbye or its stream ended (call it
+        before :meth:`stop` on a graceful shutdown: stopping cancels the streams, which a worker that has not seen
+        its shutdown message yet would take for the controller's death). Returns the ones still connected."""
+        wanted = set(worker_ids)
+        deadline = time.monotonic() + timeout_s
+
+        def still() -> list[str]:
+            return sorted(
+                w for w in wanted if (st := self._workers.get(w)) is not None and not (st.left or st.ended)
+            )
+
+        with self._changed:
+            while (left := still()) and not self._stopping.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._changed.wait(remaining)
+            return left
 
     # -- internals ---------------------------------------------------------------------------------------------
 
@@ -197,7 +221,9 @@ class HeartbeatMonitor:
                 self._changed.notify_all()
                 log.debug("worker %s (%s pid %d) joined the heartbeat", st.worker, st.host, st.pid)
             st.sequence, st.last_beat = beat.sequence, now
-            st.left = st.left or beat.state == pb.Beat.STOPPING
+            if beat.state == pb.Beat.STOPPING and not st.left:
+                st.left = True
+                self._changed.notify_all()
             if busy:
                 key = (beat.op, beat.busy_since)
                 if key != st.busy_key:
@@ -209,11 +235,14 @@ class HeartbeatMonitor:
                     st.last_op = beat.op
 
     def _on_stream_end(self, worker: str, reason: str) -> None:
-        if self._stopping.is_set():
-            return
-        with self._lock:
+        with self._changed:
             st = self._workers.get(worker)
-            err = None if st is None or st.left or st.lost else self._lost(st, reason)
+            if st is not None:
+                st.ended = True
+                self._changed.notify_all()
+            if self._stopping.is_set():
+                return
+            err = None if st is None or st.left or st.released or st.lost else self._lost(st, reason)
         if err is not None:
             self._deliver(err, self._on_lost)
 
@@ -231,7 +260,7 @@ class HeartbeatMonitor:
             fired: list[tuple[HeartbeatError, Any]] = []
             with self._lock:
                 for st in self._workers.values():
-                    if st.lost or st.left:
+                    if st.lost or st.left or st.released:
                         continue
                     silent = now - st.last_beat
                     if silent > self.death_timeout_s:

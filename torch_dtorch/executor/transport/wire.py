@@ -217,6 +217,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _tensor_frame(t: torch.Tensor) -> Frame:
     if t.layout != torch.strided:
         raise ProtocolError(f"only strided tensors can be sent, got layout {t.layout}")
+    if t.numel() == 0:  # e.g. barrier markers
+        return b""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -226,7 +228,33 @@ def _tensor_frame(t: torch.Tensor) -> Frame:
     return t.reshape(-1).view(torch.uint8).numpy().data  # a memoryview; keeps the array alive
 
 
+#: JSON scalars passed through as they are (exact types: subclasses such as IntEnum take the general path)
+_PLAIN = frozenset({type(None), bool, int, str})
+
+
 def _enc(obj: Any, bufs: list[Frame], depth: int) -> Any:
+    # fast paths for the common shapes (dicts with str keys, lists of scalars); same output as _enc_any
+    tp = type(obj)
+    if tp in _PLAIN:
+        return obj
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(f"payload nests deeper than {_MAX_DEPTH} levels (or contains a cycle)")
+    d = depth + 1
+    if tp is dict:
+        return {
+            "d": [
+                [k if type(k) in _PLAIN else _enc(k, bufs, d), v if type(v) in _PLAIN else _enc(v, bufs, d)]
+                for k, v in obj.items()
+            ]
+        }
+    if tp is list:
+        return [x if type(x) in _PLAIN else _enc(x, bufs, d) for x in obj]
+    if tp is tuple:
+        return {"t": [x if type(x) in _PLAIN else _enc(x, bufs, d) for x in obj]}
+    return _enc_any(obj, bufs, depth)
+
+
+def _enc_any(obj: Any, bufs: list[Frame], depth: int) -> Any:
     if depth > _MAX_DEPTH:
         raise ProtocolError(f"payload nests deeper than {_MAX_DEPTH} levels (or contains a cycle)")
     if obj is None or isinstance(obj, (bool, int, str)):
@@ -278,7 +306,35 @@ def _dec_tensor(tree: dict[str, Any], bufs: list[memoryview]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
+_JSON_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
 def _dec(tree: Any, bufs: list[memoryview], depth: int) -> Any:
+    # fast paths for dict nodes with plain keys/values and lists of scalars; same result as _dec_any
+    tp = type(tree)
+    if tp in _JSON_PLAIN:
+        return tree
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(f"payload nests deeper than {_MAX_DEPTH} levels")
+    d = depth + 1
+    if tp is list:
+        return [x if type(x) in _JSON_PLAIN else _dec(x, bufs, d) for x in tree]
+    if tp is dict and len(tree) == 1:
+        val = tree.get("d")
+        if type(val) is list:
+            try:
+                return {
+                    (k if type(k) in _JSON_PLAIN else _dec(k, bufs, d)): (
+                        v if type(v) in _JSON_PLAIN else _dec(v, bufs, d)
+                    )
+                    for k, v in val
+                }
+            except (ValueError, TypeError) as e:
+                raise ProtocolError(f"bad payload node {tree!r}: {e}") from e
+    return _dec_any(tree, bufs, depth)
+
+
+def _dec_any(tree: Any, bufs: list[memoryview], depth: int) -> Any:
     if depth > _MAX_DEPTH:
         raise ProtocolError(f"payload nests deeper than {_MAX_DEPTH} levels")
     if tree is None or isinstance(tree, (bool, int, float, str)):
