@@ -5,7 +5,10 @@ If a torch release moves one of these, this module is the only one to change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +16,9 @@ import torch
 __all__ = [
     "TORCH_VERSION",
     "create_empty_tensor",
+    "dispatch_mode_depth",
+    "keep_composites_whole",
+    "native_composite_check",
     "has_kernel_for_dispatch_key",
     "setup_privateuse1_python_backend",
 ]
@@ -28,6 +34,11 @@ def has_kernel_for_dispatch_key(op: Any, key: str) -> bool:
 def create_empty_tensor(size: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A storage-less tensor on the PrivateUse1 device (costs ~100 bytes whatever its shape)."""
     return torch._C._acc.create_empty_tensor(tuple(size), dtype)
+
+
+#: ``() -> int``: how many ``TorchDispatchMode``s are active (fake tensors, functionalization and proxy tracing of
+#: torch.compile are modes): a kernel that skips the rest of the dispatcher must not do so while one is
+dispatch_mode_depth = torch._C._len_torch_dispatch_stack
 
 
 def setup_privateuse1_python_backend(name: str) -> None:
@@ -70,3 +81,69 @@ def inductor_compile(gm: Any, example_inputs: Sequence[Any], *, mode: str | None
         config_patches["triton.cudagraphs"] = True
     compiled = compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
     return compiled
+
+
+#: tests set this to exercise the fallback of :func:`keep_composites_whole` on a torch that does not need it
+FORCE_COMPOSITE_FALLBACK = False
+
+
+@functools.cache
+def native_composite_check() -> bool:
+    """Whether this torch's tracers (functionalization and proxy tracing) keep a CompositeImplicitAutograd op whole
+    where eager autograd would not have decomposed it, i.e. where the input's device has a backend kernel for it
+    (``autograd_would_have_decomposed``, consulted by both). Older tracers call ``OpOverload.decompose`` on every
+    functional composite op; :func:`keep_composites_whole` then steps in."""
+    import importlib
+
+    return all(
+        hasattr(importlib.import_module(m), "autograd_would_have_decomposed")
+        for m in ("torch._subclasses.functional_tensor", "torch.fx.experimental.proxy_tensor")
+    )
+
+
+_KEEP = threading.local()
+_KEEP_LOCK = threading.Lock()
+_KEEP_USERS = 0
+_ORIGINAL_DECOMPOSE: Any = torch._ops.OpOverload.decompose
+
+
+def _keeping_decompose(self: Any, *args: Any, **kwargs: Any) -> Any:
+    device_type = getattr(_KEEP, "device_type", None)
+    if device_type is not None:
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor):  # the first tensor decides, as in autograd_would_have_decomposed
+                if a.device.type == device_type and has_kernel_for_dispatch_key(self, "PrivateUse1"):
+                    return NotImplemented  # callers then trace the op whole
+                break
+    return _ORIGINAL_DECOMPOSE(self, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def keep_composites_whole(device_type: str, *, force: bool = False) -> Iterator[bool]:
+    """While tracing in this thread, keep a composite op whole when its first tensor input is on ``device_type``
+    (the PrivateUse1 device) and the op has a PrivateUse1 kernel — what eager autograd does, and what torch's tracers
+    do by themselves where :func:`native_composite_check` holds (then this is a no-op unless ``force`` or
+    :data:`FORCE_COMPOSITE_FALLBACK`).
+
+    The fallback makes ``OpOverload.decompose`` return ``NotImplemented`` for such calls, which every tracer
+    (functionalization, proxy tracing, fake tensors) takes as "no decomposition": the op is recorded as called.
+    ``decompose`` is patched only while some thread is inside this context, and acts only in those threads.
+    Yields whether the fallback is active."""
+    global _KEEP_USERS
+    if not (force or FORCE_COMPOSITE_FALLBACK) and native_composite_check():
+        yield False
+        return
+    with _KEEP_LOCK:
+        if _KEEP_USERS == 0:
+            torch._ops.OpOverload.decompose = _keeping_decompose  # type: ignore[method-assign]
+        _KEEP_USERS += 1
+    saved = getattr(_KEEP, "device_type", None)
+    _KEEP.device_type = device_type
+    try:
+        yield True
+    finally:
+        _KEEP.device_type = saved
+        with _KEEP_LOCK:
+            _KEEP_USERS -= 1
+            if _KEEP_USERS == 0:
+                torch._ops.OpOverload.decompose = _ORIGINAL_DECOMPOSE  # type: ignore[method-assign]

@@ -92,3 +92,42 @@ def with_hook(hook: Callable[[Any, int], None], fn: Callable[[], Any]) -> Any:
         return out
     finally:
         kernel.after_hooks.remove(hook)
+
+
+def tiny_flux() -> tuple[nn.Module, dict[str, Any]]:
+    """A tiny random diffusers ``FluxTransformer2DModel`` (1 double + 1 single block) and its inputs (offline)."""
+    import diffusers
+
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=False,
+        axes_dims_rope=(2, 2, 4),
+    ).eval()  # fmt: skip
+    b, s, t = 2, 8, 4
+    inputs = {
+        "hidden_states": torch.randn(b, s, 4),
+        "encoder_hidden_states": torch.randn(b, t, 16),
+        "pooled_projections": torch.randn(b, 8),
+        "timestep": torch.tensor([0.5, 0.25]),
+        "img_ids": torch.randn(s, 3),
+        "txt_ids": torch.randn(t, 3),
+    }
+    return model, inputs
+
+
+def transformer_tp_plan(model: nn.Module) -> dict[str, Sequence[Any]]:
+    """Megatron-style TP over attention heads and MLP hidden units of every diffusers transformer block."""
+    plan: dict[str, Sequence[Any]] = {}
+    for name, _ in model.named_parameters():
+        if ".attn." in name and any(
+            p in name for p in ("to_q.", "to_k.", "to_v.", "add_q_proj.", "add_k_proj.", "add_v_proj.")
+        ):
+            plan[name] = [Shard(0)]
+        elif ".attn." in name and any(p in name for p in ("to_out.0.weight", "to_add_out.weight")):
+            plan[name] = [Shard(1)]
+        elif ".ff" in name and "net.0.proj." in name:
+            plan[name] = [Shard(0)]
+        elif ".ff" in name and "net.2.weight" in name:
+            plan[name] = [Shard(1)]
+    return plan

@@ -239,3 +239,64 @@ def test_program_error_is_sticky_and_named() -> None:
     with pytest.raises(KernelError, match="compiled program"):
         y.full_tensor()
     torch.testing.assert_close(compiled(x, w).full_tensor(), (x.full_tensor() @ w.full_tensor()).relu())
+
+
+def test_load_program_codec_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Process mode ships a LoadProgram as its propagated operators: decoded, each rank builds the same program."""
+    from torch_dtorch.backend import runtime
+    from torch_dtorch.backend.local import build_local_program
+    from torch_dtorch.backend.program import LoadProgram, RunProgram
+    from torch_dtorch.executor.codec import BatchDecoder, BatchEncoder
+
+    sent: list[object] = []
+    real_submit = runtime._submit
+    monkeypatch.setattr(runtime, "_submit", lambda ex, instr: (sent.append(instr), real_submit(ex, instr)))
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 8)
+    with torch.no_grad():
+        mesh = _mesh(2)
+        distribute_module(model, mesh, tp_mlp_plan())
+        torch.compile(model, backend="dtorch")(dt.distribute_tensor(x, mesh, [Shard(0)])).full_tensor()
+    load = next(i for i in sent if isinstance(i, LoadProgram))
+    run = RunProgram(load.program_id, (3, 1, 2), (7,), "site")
+    decoded = BatchDecoder().decode(BatchEncoder().encode([load, run]))
+    assert isinstance(decoded[0], LoadProgram) and decoded[0].programs == {} and decoded[0].source is not None
+    assert decoded[1] == run
+    for d in (0, 1):
+        assert str(build_local_program(decoded[0].source, d)) == str(load.programs[d])
+
+
+def _old_tracers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make torch 2.13's tracers behave like older ones (2.11): every functional composite op is decomposed."""
+    import torch._subclasses.functional_tensor as functional
+    import torch.fx.experimental.proxy_tensor as proxy
+
+    always = lambda func, flat_args: True  # noqa: E731
+    monkeypatch.setattr(functional, "autograd_would_have_decomposed", always)
+    monkeypatch.setattr(proxy, "autograd_would_have_decomposed", always)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_composites_stay_whole_on_older_torch(monkeypatch: pytest.MonkeyPatch, fallback: bool) -> None:
+    """torch 2.11 tracers would split linear/layer_norm on dtorch tensors; the decompose fallback keeps them whole."""
+    from torch_dtorch import _compat
+    from torch_dtorch.backend.report import CompileReport
+
+    _old_tracers(monkeypatch)
+    monkeypatch.setattr(_compat, "FORCE_COMPOSITE_FALLBACK", fallback)
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 8)
+    reports: list[CompileReport] = []
+    with torch.no_grad():
+        ref = model(x)
+        mesh = _mesh(2)
+        distribute_module(model, mesh, tp_mlp_plan())
+        compiled = torch.compile(model, backend="dtorch", options={"reports": reports})
+        out = compiled(dt.distribute_tensor(x, mesh, [Replicate()]))
+        torch.testing.assert_close(out.full_tensor(), ref)
+    aten = reports[0].aten
+    if fallback:
+        assert "aten.linear(" in aten and "aten.layer_norm(" in aten and "aten.addmm" not in aten
+    else:  # the simulation does reach the tracers: without the fallback the composites are split
+        assert "aten.linear(" not in aten
+    assert type(torch.ops.aten.linear.default).decompose is _compat._ORIGINAL_DECOMPOSE  # restored

@@ -10,30 +10,11 @@ import torch
 import torch_dtorch as dt
 from torch_dtorch import Replicate, Shard
 
-from .models import distribute_module
+from .models import distribute_module, tiny_flux, transformer_tp_plan
 
 diffusers = pytest.importorskip("diffusers")
 
 pytestmark = pytest.mark.slow
-
-
-def _flux() -> tuple[torch.nn.Module, dict[str, Any]]:
-    torch.manual_seed(0)
-    model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=False,
-        axes_dims_rope=(2, 2, 4),
-    ).eval()  # fmt: skip
-    b, s, t = 2, 8, 4
-    inputs = {
-        "hidden_states": torch.randn(b, s, 4),
-        "encoder_hidden_states": torch.randn(b, t, 16),
-        "pooled_projections": torch.randn(b, 8),
-        "timestep": torch.tensor([0.5, 0.25]),
-        "img_ids": torch.randn(s, 3),
-        "txt_ids": torch.randn(t, 3),
-    }
-    return model, inputs
 
 
 def _sd3() -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -52,14 +33,9 @@ def _sd3() -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, inputs
 
 
-MODELS = {"flux": _flux, "sd3": _sd3}
-_NO_CONV = pytest.mark.xfail(
-    reason="no placement rule for aten.convolution yet (SD3's patch embedding is a conv2d); eager fails the same way",
-    raises=Exception,
-    strict=True,  # an SD3 pass once the rule lands fails here: drop the mark then
-)
-#: dtorch-tensor runs: SD3 needs a convolution rule (other layer)
-DTORCH_MODELS = ["flux", pytest.param("sd3", marks=_NO_CONV)]
+MODELS = {"flux": tiny_flux, "sd3": _sd3}
+#: dtorch-tensor runs (SD3's patch embedding needs the aten.convolution rule of placement_rules/spatial.py)
+DTORCH_MODELS = ["flux", "sd3"]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -100,30 +76,13 @@ def test_sequence_sharded(name: str, n: int) -> None:
         torch.testing.assert_close(out.full_tensor(), ref, rtol=1e-4, atol=1e-5)
 
 
-def _tp_plan(model: torch.nn.Module) -> dict[str, list[Any]]:
-    """Megatron-style TP over attention heads and MLP hidden units of every transformer block."""
-    plan: dict[str, list[Any]] = {}
-    for name, _ in model.named_parameters():
-        if ".attn." in name and any(
-            p in name for p in ("to_q.", "to_k.", "to_v.", "add_q_proj.", "add_k_proj.", "add_v_proj.")
-        ):
-            plan[name] = [Shard(0)]
-        elif ".attn." in name and any(p in name for p in ("to_out.0.weight", "to_add_out.weight")):
-            plan[name] = [Shard(1)]
-        elif ".ff" in name and "net.0.proj." in name:
-            plan[name] = [Shard(0)]
-        elif ".ff" in name and "net.2.weight" in name:
-            plan[name] = [Shard(1)]
-    return plan
-
-
 @pytest.mark.parametrize("name", DTORCH_MODELS)
 def test_tensor_parallel(name: str) -> None:
     model, inputs = MODELS[name]()
     with torch.no_grad():
         ref = model(**inputs, return_dict=False)[0]
         mesh = dt.init_device_mesh("cpu", (2,))
-        distribute_module(model, mesh, _tp_plan(model))
+        distribute_module(model, mesh, transformer_tp_plan(model))
         din = {k: dt.distribute_tensor(v, mesh, [Replicate()]) for k, v in inputs.items()}
         out = torch.compile(model, backend="dtorch")(**din, return_dict=False)[0]
         torch.testing.assert_close(out.full_tensor(), ref, rtol=1e-4, atol=1e-5)

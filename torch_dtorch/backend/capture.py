@@ -4,6 +4,8 @@
 device registers a backend kernel for every op of the intercept list (``linear``, ``layer_norm``,
 ``scaled_dot_product_attention``, every view, ...), so on dtorch (fake) tensors those arrive whole, exactly as in
 eager mode. On plain CPU/CUDA inputs they decompose exactly as eager torch runs them (bit-identical by construction).
+torch 2.13's tracers make that check themselves (``autograd_would_have_decomposed``); on older ones (2.11)
+:func:`~torch_dtorch._compat.keep_composites_whole` makes ``decompose`` decline for dtorch inputs instead.
 
 Only a small explicit decomposition table is applied (:data:`DECOMPOSITIONS`, plus ``options["decompositions"]``),
 never the Core ATen set: that would remove attention (no context-parallel rule could fire), rewrite ``silu`` and
@@ -12,6 +14,7 @@ never the Core ATen set: that would remove attention (no context-parallel rule c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,12 +22,14 @@ import torch
 from torch import fx
 
 from torch_dtorch import _compat
+from torch_dtorch.device.tensors import DEVICE_NAME
 from torch_dtorch.graph.operand import dtype_str
 from torch_dtorch.graph.operator import op_name
 
 __all__ = ["DECOMPOSITIONS", "capture", "decomposition_table", "format_aten_graph", "needs_grad"]
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 #: aten overloads decomposed during capture. Each entry is an op that aot_autograd can emit but that has no placement
 #: rule, and whose decomposition reproduces eager torch bit for bit (so it never changes a result).
@@ -58,13 +63,21 @@ def capture(
             "torch.no_grad() / torch.inference_mode(), or use the model eagerly on dtorch tensors for training"
         )
 
-    return _compat.aot_module_simplified(
-        gm,
-        list(example_inputs),
-        fw_compiler=fw_compiler,
-        bw_compiler=no_backward,
-        decompositions=decomposition_table(decompositions),
-    )
+    # torch >= 2.13's tracers keep an op with a dtorch kernel whole by themselves; older ones decompose every
+    # composite op unless told otherwise (see _compat.keep_composites_whole)
+    with _compat.keep_composites_whole(DEVICE_NAME) as fallback:
+        if fallback:
+            log.debug(
+                "capture: keeping composite ops whole through the decompose fallback (torch %s)",
+                torch.__version__,
+            )
+        return _compat.aot_module_simplified(
+            gm,
+            list(example_inputs),
+            fw_compiler=fw_compiler,
+            bw_compiler=no_backward,
+            decompositions=decomposition_table(decompositions),
+        )
 
 
 # --- printing ------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ cut at the collectives into **compute segments** (plain aten FX graphs a worker 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,14 +19,22 @@ from torch import fx
 
 from torch_dtorch.backend.capture import format_value, target_name
 from torch_dtorch.executor.constructor import REDISTRIBUTE
-from torch_dtorch.graph import Operand
+from torch_dtorch.graph import Operand, Operator
 from torch_dtorch.graph.operand import dtype_str
+from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement_rules import OpRule
 from torch_dtorch.placement_rules.call import LocalContext, map_operands
 from torch_dtorch.placement_rules.rule import FunctionRule
 from torch_dtorch.placement_rules.simulate import cached_local_shape_and_offset
 
-__all__ = ["CollectiveStep", "LocalProgram", "Segment", "build_local_program", "redistribute"]
+__all__ = [
+    "CollectiveStep",
+    "LocalProgram",
+    "ProgramSource",
+    "Segment",
+    "build_local_program",
+    "redistribute",
+]
 
 LocalMeta = tuple[tuple[int, ...], torch.dtype]
 
@@ -36,6 +45,22 @@ def redistribute(x: torch.Tensor) -> torch.Tensor:
     raise RuntimeError(
         "redistribute nodes of a dtorch local program run through the program runner, not as a Python call"
     )
+
+
+@dataclass(frozen=True)
+class ProgramSource:
+    """What every rank's local program is built from: the propagated operators and their boundary (the part of a
+    :class:`~torch_dtorch.backend.propagate.Propagated` that travels to worker processes, which then localize it
+    themselves)."""
+
+    mesh: DeviceMesh
+    inputs: Sequence[Operand]
+    operators: Sequence[Operator]
+    outputs: Sequence[Operand | Any]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(self.mesh.root.devices)
 
 
 @dataclass
@@ -123,8 +148,11 @@ def _returns_sequence(op: Any) -> bool:
     return len(rets) > 1 or (len(rets) == 1 and str(rets[0].type).startswith("List["))
 
 
-def build_local_program(prop: Any, device: int, torch_device: torch.device | None = None) -> LocalProgram:
-    """Localize ``prop`` (a :class:`~torch_dtorch.backend.propagate.Propagated`) for ``device``."""
+def build_local_program(
+    prop: ProgramSource | Any, device: int, torch_device: torch.device | None = None
+) -> LocalProgram:
+    """Localize ``prop`` (a :class:`ProgramSource`, or a :class:`~torch_dtorch.backend.propagate.Propagated`) for
+    ``device``; ``torch_device`` is where the rank's factories create tensors."""
     g = fx.Graph()
     env: dict[int, fx.Node] = {}
     in_meta: list[LocalMeta | None] = []
@@ -137,7 +165,7 @@ def build_local_program(prop: Any, device: int, torch_device: torch.device | Non
             names[node.name] = x.tag
         in_meta.append(meta)
         env[x.id] = node
-    for op in prop.graph.operators:
+    for op in prop.operators:
         if op.assign is None or device not in op.assign.devices:
             continue
         if op.op == REDISTRIBUTE:

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from torch_dtorch import _compat
-from torch_dtorch.backend.local import CollectiveStep, LocalMeta, LocalProgram, Segment
+from torch_dtorch.backend.local import (
+    CollectiveStep,
+    LocalMeta,
+    LocalProgram,
+    ProgramSource,
+    Segment,
+    build_local_program,
+)
 from torch_dtorch.executor.worker import Worker, register_instruction
 from torch_dtorch.runtime import kernel as _kernel_mod
 from torch_dtorch.runtime.blob import Blob, KernelError
@@ -36,15 +43,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LoadProgram:
-    """Each worker named in ``programs`` keeps its local program under ``program_id``."""
+    """Each worker keeps its local program under ``program_id``: the one prebuilt for it in ``programs`` (thread
+    mode), else the one it builds from ``source`` (process mode: the propagated operators travel through the codec
+    and each worker localizes them for its own device)."""
 
     program_id: int
     programs: dict[int, LocalProgram]
     worker_compiler: str = "eager"
     cudagraphs: bool = False
+    source: ProgramSource | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per call, and a frozen __init__ costs ~3x more
 class RunProgram:
     """Run program ``program_id`` on the blobs ``in_ids``; store its outputs as blobs ``out_ids``."""
 
@@ -82,11 +92,20 @@ class _Loaded:
         self.name = name
 
 
-_PROGRAMS: weakref.WeakKeyDictionary[Worker, dict[int, _Loaded]] = weakref.WeakKeyDictionary()
+class _Failed:
+    """A program this worker could not build: every call poisons all its outputs."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: KernelError) -> None:
+        self.error = error
+
+
+_PROGRAMS: weakref.WeakKeyDictionary[Worker, dict[int, _Loaded | _Failed]] = weakref.WeakKeyDictionary()
 _COMPILE_LOCK = threading.Lock()  # inductor is not re-entrant across worker threads
 
 
-def _table(worker: Worker) -> dict[int, _Loaded]:
+def _table(worker: Worker) -> dict[int, _Loaded | _Failed]:
     table = _PROGRAMS.get(worker)
     if table is None:
         table = _PROGRAMS[worker] = {}
@@ -95,22 +114,31 @@ def _table(worker: Worker) -> dict[int, _Loaded]:
 
 def loaded_program(worker: Worker, program_id: int) -> LocalProgram | None:
     hit = _PROGRAMS.get(worker, {}).get(program_id)
-    return hit.program if hit is not None else None
+    return hit.program if type(hit) is _Loaded else None
 
 
 def program_stats(worker: Worker, program_id: int) -> ProgramStats | None:
     hit = _PROGRAMS.get(worker, {}).get(program_id)
-    return hit.stats if hit is not None else None
+    return hit.stats if type(hit) is _Loaded else None
 
 
 @register_instruction(LoadProgram)
 def _load(worker: Worker, instr: LoadProgram) -> None:
+    name = f"compiled program {instr.program_id}"
     program = instr.programs.get(worker.device)
     if program is None:
-        return
-    _table(worker)[instr.program_id] = _Loaded(
-        program, instr.worker_compiler, instr.cudagraphs, f"compiled program {instr.program_id}"
-    )
+        src = instr.source
+        if src is None or worker.device not in src.devices:
+            return  # not a device of this program
+        try:
+            program = build_local_program(src, worker.device, worker.torch_device)
+        except Exception as e:  # noqa: BLE001 - handlers never raise: every call of the program fails instead
+            log.exception("worker %d: building the local program of %s failed", worker.device, name)
+            err = KernelError(name, worker.device, e, detail="while building this rank's local program")
+            err.__cause__ = e
+            _table(worker)[instr.program_id] = _Failed(err)
+            return
+    _table(worker)[instr.program_id] = _Loaded(program, instr.worker_compiler, instr.cudagraphs, name)
 
 
 @register_instruction(UnloadProgram)
@@ -149,6 +177,10 @@ def _collective(worker: Worker, step: CollectiveStep, x: torch.Tensor | None) ->
 def _run(worker: Worker, instr: RunProgram) -> None:
     loaded = _PROGRAMS.get(worker, {}).get(instr.program_id)
     if loaded is None:  # not a device of this program
+        return
+    if isinstance(loaded, _Failed):
+        for oid in instr.out_ids:
+            worker.blobs[oid] = Blob(error=loaded.error)
         return
     hooks_before, hooks_after = _kernel_mod.before_hooks, _kernel_mod.after_hooks
     for h in list(hooks_before):
@@ -292,8 +324,10 @@ def _validate(worker: Worker, loaded: _Loaded, prog: LocalProgram, vals: list[An
 
 def _register_codecs() -> None:
     """Teach the batch codec (process mode) the program instructions. ``RunProgram`` / ``UnloadProgram`` are plain
-    ids; shipping a :class:`LoadProgram` (FX graphs, rules and plans) to worker processes is not implemented yet."""
-    from torch_dtorch.executor.codec.common import register_codec
+    ids; a ``LoadProgram`` carries its :class:`ProgramSource` — the mesh, the boundary operands and every operator
+    (``ctx.operator``: op, constants, placements, rule by qualified name; redistributes with their plans) — and
+    each worker process builds its own local program from it. Worker processes import this module at start."""
+    from torch_dtorch.executor.codec.common import CodecError, register_codec
 
     def enc_run(instr: RunProgram, ctx: Any) -> Any:
         return [instr.program_id, list(instr.in_ids), list(instr.out_ids), instr.call_site]
@@ -309,14 +343,31 @@ def _register_codecs() -> None:
         return UnloadProgram(int(tree))
 
     def enc_load(instr: LoadProgram, ctx: Any) -> Any:
-        raise NotImplementedError(
-            "torch.compile(backend='dtorch') runs on thread-mode workers only for now: shipping compiled local "
-            "programs to worker processes needs an operator encoding in the codec (not implemented yet). Use the "
-            "thread runner, or the model eagerly on dtorch tensors"
-        )
+        src = instr.source
+        if src is None:
+            raise CodecError(
+                f"LoadProgram {instr.program_id}: no ProgramSource to ship to worker processes (only prebuilt "
+                "thread-mode programs); build it with Propagated.source()"
+            )
+        # parts are visited in this order by dec_load: mesh, inputs, operators, outputs
+        mesh = ctx.mesh(src.mesh)
+        inputs = [ctx.operand(x) for x in src.inputs]
+        operators = [ctx.operator(op) for op in src.operators]
+        outputs = ctx.value(list(src.outputs))
+        return [instr.program_id, instr.worker_compiler, instr.cudagraphs, mesh, inputs, operators, outputs]
 
     def dec_load(tree: Any, ctx: Any) -> LoadProgram:
-        raise NotImplementedError("LoadProgram cannot be decoded in process mode yet")
+        pid, compiler, cudagraphs, mesh_tree, in_trees, op_trees, out_tree = tree
+        mesh = ctx.mesh(mesh_tree)
+        inputs = tuple(ctx.operand(t) for t in in_trees)
+        operators = tuple(ctx.operator(t) for t in op_trees)
+        outputs = tuple(ctx.value(out_tree))
+        if mesh is None or any(x is None for x in inputs):
+            raise CodecError(f"LoadProgram {pid}: malformed program (no mesh, or a missing input operand)")
+        source = ProgramSource(mesh, inputs, operators, outputs)
+        return LoadProgram(
+            int(pid), {}, worker_compiler=str(compiler), cudagraphs=bool(cudagraphs), source=source
+        )
 
     register_codec(RunProgram, tag="compile.run", encode=enc_run, decode=dec_run)
     register_codec(UnloadProgram, tag="compile.unload", encode=enc_unload, decode=dec_unload)

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import fx
 
+from torch_dtorch.backend.local import ProgramSource
 from torch_dtorch.config import RedistributePolicy
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.executor.constructor import GraphConstructor
-from torch_dtorch.graph import LogicalGraph, Operand
+from torch_dtorch.graph import LogicalGraph, Operand, Operator
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements, Replicate
 
@@ -49,6 +50,14 @@ class Propagated:
     inputs: list[Operand]
     constants: list[torch.Tensor]
     outputs: list[Operand | Any]
+
+    @property
+    def operators(self) -> list[Operator]:
+        return self.graph.operators
+
+    def source(self) -> ProgramSource:
+        """The part every worker needs to build its local program (what process mode ships)."""
+        return ProgramSource(self.mesh, tuple(self.inputs), tuple(self.graph.operators), tuple(self.outputs))
 
 
 def _check_static(node: fx.Node) -> None:

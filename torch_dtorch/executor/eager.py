@@ -197,7 +197,7 @@ class EagerGraphExecutor:
     def append_with_outputs(
         self,
         specs: Sequence[tuple[tuple[int, ...], torch.dtype, DeviceMesh, Placements, tuple[int, ...] | None]],
-        make: Callable[[list[Operand]], Instruction],
+        make: Callable[[list[Operand]], Any],
     ) -> list[Operand]:
         """New operands of known metadata (``(shape, dtype, mesh, placements, stride)`` each) and the instruction
         ``make(operands)`` that fills them, queued in issue order under one lock acquisition (the compile backend's
