@@ -31,6 +31,7 @@ from torch_dtorch.api import (
     to_torch_async,
     zeros,
 )
+from torch_dtorch.device.registration import register_rule
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.nn import parallelize_module
@@ -60,6 +61,7 @@ __all__ = [
     "randn",
     "redistribute",
     "redistribute_by_dict",
+    "register_rule",
     "shutdown",
     "sync",
     "to_torch",

@@ -137,9 +137,12 @@ def test_as_strided_on_sharded_is_a_typed_error_and_fine_on_replicate() -> None:
 
 def test_unsupported_op_names_the_overload() -> None:
     mesh = mesh4()
-    x = dt.distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
-    with pytest.raises(NoRuleError, match=r"(?s)aten\.cholesky\.default.*register_rule"):
-        torch.cholesky(x @ x.T)
+    x = dt.distribute_tensor(torch.randint(1, 50, (4, 4)), mesh, [Replicate()])
+    # gcd has no rule (its structured kernel reaches the device as the ``.out`` overload): the error names it
+    with pytest.raises(
+        NoRuleError, match=r"(?s)no placement rule for aten\.gcd\.out\b.*register_rule\(aten\.gcd\.out\)"
+    ):
+        torch.gcd(x, x + 3)
 
 
 def test_factories_and_unbound_replicate_tensors() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,11 +18,12 @@ from torch_dtorch._compat import (
     setup_privateuse1_python_backend,
 )
 from torch_dtorch.device import fastpath, kernels
+from torch_dtorch.device.rng import install_rng_functions
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
 from torch_dtorch.placement_rules import intercept_list, registered_ops
 from torch_dtorch.placement_rules.indexing import SYNC_OPS
 
-__all__ = ["ensure_registered", "registered_kernels"]
+__all__ = ["ensure_registered", "register_kernels", "register_rule", "registered_kernels"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -231,10 +233,43 @@ def _sync_kernel(op: Any, inner: Any):  # noqa: ANN202
 
 
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Every overload that reaches the dtorch key without a kernel: a typed error naming it and the fix."""
+    """Every overload that reaches the dtorch key without a kernel: run it if a rule was registered after the
+    device was set up (``placement_rules.register_rule`` at run time), else a typed error naming it and the fix."""
     from torch_dtorch.errors import NoRuleError
+    from torch_dtorch.placement_rules import get_rule
 
-    raise NoRuleError(op, detail="(it reached the dtorch device, which has no kernel for it)")
+    try:
+        get_rule(op)
+    except NoRuleError:
+        raise NoRuleError(op, detail="(it reached the dtorch device, which has no kernel for it)") from None
+    return kernels.dispatch(op, args, kwargs)
+
+
+def register_kernels(ops: Any) -> list[Any]:
+    """Give ruled overloads registered after :func:`ensure_registered` (custom ops of any namespace included) their
+    dtorch kernel; returns the overloads that got one. A ``torch.library.custom_op`` has a default
+    (CompositeExplicitAutograd) implementation that would otherwise run its Python body on dtorch tensors."""
+    from torch_dtorch.placement_rules import get_rule
+
+    added = []
+    with _LOCK:
+        for op in ops:
+            if isinstance(op, str) or op in _KERNELS or op in _SPECIAL or op in _GENERIC_ALIASES:
+                continue
+            get_rule(op)  # NoRuleError: register the rule first
+            lib = _NAMESPACE_LIBS.get(op.namespace)
+            if lib is None:
+                lib = _NAMESPACE_LIBS[op.namespace] = torch.library.Library(op.namespace, "IMPL")
+            generic = _generic(op)
+            lib.impl(_schema_name(op), generic, "PrivateUse1")
+            _KERNELS[op] = "generic"
+            _BACKEND_KERNELS[op] = generic
+            added.append(op)
+    return added
+
+
+#: one ``IMPL`` library per namespace of late-registered kernels (``aten``'s from ``ensure_registered`` aside)
+_NAMESPACE_LIBS: dict[str, torch.library.Library] = {}
 
 
 #: overloads PyTorch implements by aliasing the storage (CompositeExplicitAutograd): registering a kernel would
@@ -291,8 +326,12 @@ def ensure_registered() -> None:
         if _DONE:
             return
         setup_privateuse1_python_backend(DEVICE_NAME)
+        install_rng_functions(
+            DEVICE_NAME
+        )  # fork_rng / manual_seed over the dtorch device (see device/rng.py)
         lib = torch.library.Library("aten", "IMPL")
         _LIBS.append(lib)
+        _NAMESPACE_LIBS["aten"] = lib
         ops = [op for op in registered_ops() if not isinstance(op, str) and op.namespace == "aten"]
         ops += [op for op in _MAYBE_SYNC if op not in ops]
         for op in ops:
@@ -329,3 +368,21 @@ def ensure_registered() -> None:
 
 def registered_kernels() -> dict[Any, str]:
     return dict(_KERNELS)
+
+
+def register_rule(*ops: Any, family: str = "custom", **kwargs: Any) -> Callable[[Any], Any]:
+    """Public decorator (``torch_dtorch.register_rule``): :func:`torch_dtorch.placement_rules.register_rule`, plus the
+    dtorch kernel for the overloads — needed for ops registered after ``import torch_dtorch``, such as a
+    ``torch.library.custom_op``. Keyword arguments are ``placement_rules.register_rule``'s (``localize``, ``cost``,
+    ``check``, ``kernel``, ``view_of``, ...). See docs/adding_an_op.md."""
+    from torch_dtorch.placement_rules import register_rule as _register_rule
+
+    inner = _register_rule(*ops, family=family, **kwargs)
+
+    def deco(target: Any) -> Any:
+        out = inner(target)
+        if _DONE:
+            register_kernels(ops)
+        return out
+
+    return deco

@@ -15,6 +15,10 @@ FAMILIES = (
     "embedding",
     "creation",
     "misc",
+    "indexing",
+    "sorting",
+    "spatial",
+    "fallback",
 )
 
 for _name in FAMILIES:

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
+from torch_dtorch.graph import TensorMeta
 from torch_dtorch.placement import Replicate, Shard, local_shape_and_offset
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.rule import register_rule
+from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
 __all__ = ["groups_split_evenly", "leading_dim_signatures"]
@@ -190,3 +191,40 @@ def softmax(call: OpCall) -> list[PlacementSignature]:
 def softmax_composite(call: OpCall) -> list[PlacementSignature]:
     """Shard any dim but the softmax dim; ``dtype`` passes through."""
     return softmax_signatures(call)
+
+
+class BatchNormRule(OpRule):
+    """``native_batch_norm``, ``_native_batch_norm_legit``, ``_batch_norm_with_update``.
+
+    Evaluation (``training=False``): the input ``S(0)`` (batch) with weight, bias and running statistics ``R`` ->
+    output ``S(0)``, saved statistics ``R``. Training normalizes with statistics over the batch: Replicate only.
+    The running statistics are updated in place on the workers, so they are *pinned* (never redistributed: a
+    redistributed copy would take the update instead of the caller's tensor); keep them Replicate."""
+
+    family = "normalization"
+    pinned_inputs = (3, 4)
+
+    @staticmethod
+    def _training(call: OpCall) -> bool:
+        return call.op is aten._batch_norm_with_update.default or bool(call.arg("training"))
+
+    def infer_meta(self, call: OpCall) -> list[TensorMeta]:
+        """Meta (and CUDA) kernels give the saved statistics shape ``(C,)`` in evaluation; the CPU kernels return
+        them empty, ``(0,)``: follow the workers' device so local outputs match the inferred global shapes."""
+        metas = super().infer_meta(call)
+        if call.mesh is not None and call.mesh.device_type == "cpu" and not self._training(call):
+            metas[1:3] = [TensorMeta((0,), m.dtype, (1,)) for m in metas[1:3]]
+        return metas
+
+    def signatures(self, call: OpCall) -> Sequence[PlacementSignature]:
+        x = call.inputs[0]
+        if self._training(call) or x is None or x.ndim < 2:
+            return []
+        rest = [Replicate()] * (len(call.inputs) - 1)
+        return [sig([Shard(0), *rest], [Shard(0)] + [Replicate()] * (call.num_outputs - 1))]
+
+
+register_rule(
+    aten.native_batch_norm.default, aten._native_batch_norm_legit.default, aten._batch_norm_with_update.default,
+    family="normalization",
+)(BatchNormRule)  # fmt: skip

@@ -17,6 +17,7 @@ from enum import Enum
 
 import torch
 
+from torch_dtorch.graph import OperatorCost
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import OpCall
 from torch_dtorch.placement_rules.rule import register_rule
@@ -145,3 +146,74 @@ def pointwise_mul(call: OpCall) -> list[PlacementSignature]:
 def pointwise_div(call: OpCall) -> list[PlacementSignature]:
     """``P / R -> P``."""
     return pointwise_signatures(call, Linearity.NUMERATOR)
+
+
+# --- special functions and other elementwise ops (registered whole so they do not arrive as ``.out`` calls) -------
+
+SPECIAL_UNARY_OPS = [
+    aten.acosh.default, aten.asinh.default, aten.atanh.default, aten.i0.default, aten.special_i0e.default,
+    aten.special_i1.default, aten.special_i1e.default, aten.special_entr.default, aten.special_erfcx.default,
+    aten.special_log_ndtr.default, aten.special_ndtri.default, aten.special_airy_ai.default,
+    aten.special_bessel_j0.default, aten.special_bessel_j1.default, aten.special_bessel_y0.default,
+    aten.special_bessel_y1.default, aten.special_modified_bessel_i0.default,
+    aten.special_modified_bessel_i1.default, aten.special_modified_bessel_k0.default,
+    aten.special_modified_bessel_k1.default, aten.special_scaled_modified_bessel_k0.default,
+    aten.special_scaled_modified_bessel_k1.default, aten.special_spherical_bessel_j0.default,
+    aten.polygamma.default, aten.hardshrink.default, aten.softshrink.default, aten.threshold.default,
+    aten.round.decimals, aten.frexp.Tensor, aten.zero.default, aten.mvlgamma.default, aten.logical_not.default,
+]  # fmt: skip
+
+SPECIAL_BINARY_OPS = [
+    aten.heaviside.default, aten.logaddexp.default, aten.logaddexp2.default, aten.igamma.default,
+    aten.igammac.default, aten.nextafter.default, aten.special_xlog1py.default, aten.special_zeta.default,
+    aten.clamp_min.Tensor, aten.clamp_max.Tensor, aten.complex.default, aten.polar.default,
+    aten.native_dropout_backward.default, aten.special_chebyshev_polynomial_t.default,
+    aten.special_chebyshev_polynomial_u.default, aten.special_chebyshev_polynomial_v.default,
+    aten.special_chebyshev_polynomial_w.default, aten.special_hermite_polynomial_h.default,
+    aten.special_hermite_polynomial_he.default, aten.special_laguerre_polynomial_l.default,
+    aten.special_legendre_polynomial_p.default, aten.special_shifted_chebyshev_polynomial_t.default,
+    aten.special_shifted_chebyshev_polynomial_u.default, aten.special_shifted_chebyshev_polynomial_v.default,
+    aten.special_shifted_chebyshev_polynomial_w.default, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other,
+]  # fmt: skip
+
+_REGISTERED = {op for op in (*UNARY_OPS, *UNARY_LINEAR_OPS, *BINARY_OPS)}
+register_rule(
+    *[op for op in (*SPECIAL_UNARY_OPS, *SPECIAL_BINARY_OPS) if op not in _REGISTERED], family="pointwise"
+)(pointwise)
+
+
+@register_rule(aten.bucketize.Tensor, aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, family="pointwise")
+def elementwise_lookup(call: OpCall) -> list[PlacementSignature]:
+    """Elementwise in ``self`` against a whole lookup tensor (boundaries, test elements), which stays Replicate."""
+    x = call.inputs[0]
+    assert x is not None
+    n = len(call.inputs)
+    return [sig([Shard(d)] + [_R] * (n - 1), [Shard(d)] * call.num_outputs) for d in range(x.ndim)]
+
+
+@register_rule(aten.conj_physical.default, aten._conj_physical.default, family="pointwise")
+def conj_physical(call: OpCall) -> list[PlacementSignature]:
+    """A materialized complex conjugate (FFTs write it through ``conj_physical.out``): linear over the reals, so
+    ``P -> P`` for ``sum``/``avg`` (``conj_physical`` is composite, so it joins the intercept list and arrives whole)."""
+    return pointwise_signatures(call, Linearity.UNARY)
+
+
+# --- lazy conjugate / negative views --------------------------------------------------------------------------------
+
+
+def _zero_cost(call: OpCall) -> OperatorCost:
+    return OperatorCost()
+
+
+@register_rule(aten._conj.default, aten._neg_view.default, family="pointwise", view_of=0, cost=_zero_cost)
+def lazy_bit_view(call: OpCall) -> list[PlacementSignature]:
+    """``_conj`` / ``_neg_view`` (behind ``torch.conj``, ``x.conj()``, ``imag`` of a conjugate): torch returns a view
+    of the same memory with a lazy conj/neg *bit*. Left to PyTorch's composite kernel, the bit would sit on the
+    storage-less controller tensor, which the workers never see (a silent wrong value); this rule sends the op to
+    the workers instead, so every shard becomes a real conj/neg view of its input's shard (writes through it reach
+    the base, as in torch) and the controller's tensor carries no bit. Every placement passes through; Partial
+    ``sum``/``avg`` too (both maps are linear over the reals; ``max``/``min`` are not, so those reduce first)."""
+    x = call.inputs[0]
+    assert x is not None
+    sigs = [sig([Shard(d)], Shard(d)) for d in range(x.ndim)]
+    return sigs + [sig([Partial(p)], Partial(p)) for p in _LINEAR_PARTIALS]

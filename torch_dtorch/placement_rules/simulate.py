@@ -117,6 +117,17 @@ def reduce_tensors(parts: Sequence[torch.Tensor], reduce_op: str) -> torch.Tenso
     raise ValueError(f"unsupported reduce op {reduce_op!r}")
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise-equal values, NaN matching NaN (``torch.equal`` calls two NaN replicas different)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
 def assemble(
     shards: Shards, mesh_shape: Sequence[int], placements: Sequence[Placement], *, check_replicas: bool = True
 ) -> torch.Tensor:
@@ -134,7 +145,7 @@ def assemble(
             else:
                 if check_replicas:
                     for i, g in enumerate(group[1:], 1):
-                        if g.shape != group[0].shape or not torch.equal(g, group[0]):
+                        if not _same_values(g, group[0]):
                             raise AssertionError(
                                 f"replicas differ on mesh axis {axis} at {(*c, i)} vs {(*c, 0)}"
                             )

@@ -1,0 +1,104 @@
+"""RNG functions of the ``torch.dtorch`` device module: what ``torch.random.fork_rng``, ``torch.manual_seed`` and
+``torch.get_device_module("dtorch")`` callers expect a backend to have.
+
+dtorch has no generator of its own. It draws random numbers where single-device torch would, so that results and
+the random stream equal torch's under the same seed:
+
+- ``rand``/``randn``/``*_like`` are drawn on the controller from the **controller device's default generator**
+  (the CPU generator for a ``cpu`` mesh, ``cuda:0``'s for a ``cuda`` one) and uploaded;
+- ops drawn by the workers (``dropout``, ...) replay that generator's state (``placement_rules/creation.py``,
+  ``draw_global``); in thread mode the workers share the controller's process and advance the same generator.
+  Known gap: they read the state when they *run*, not when the op was recorded, so a ``set_rng_state`` /
+  ``manual_seed`` (``fork_rng``, ``freeze_rng_state``) between the two changes their draw (listed WRONG in
+  ``tests/conformance/expected_failures.py``).
+
+So the dtorch device generator *is* the controller device's default generator, and these functions delegate to
+it: ``fork_rng`` over the dtorch device saves and restores exactly the stream dtorch draws from. Limit: in process
+(cluster) mode the worker processes' own generators are not part of that state (``set_rng_state`` does not
+rewind them); worker-drawn ops are then not replayed by ``fork_rng``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["RNG_FUNCTIONS", "install_rng_functions"]
+
+
+def _controller_device() -> torch.device:
+    from torch_dtorch.device.state import runtime_or_none
+
+    rt = runtime_or_none()
+    if rt is None or rt.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(rt.device_type, 0)
+
+
+def _generator() -> torch.Generator:
+    device = _controller_device()
+    if device.type == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[device.index or 0]
+
+
+def get_rng_state(device: Any = None) -> torch.Tensor:
+    """The state of the generator dtorch draws from (``device`` is accepted for the backend API; dtorch has one)."""
+    return _generator().get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
+    _generator().set_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state()]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for state in new_states:
+        set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    _generator().manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    manual_seed(seed)
+
+
+def seed() -> None:
+    _generator().seed()
+
+
+def seed_all() -> None:
+    seed()
+
+
+def initial_seed() -> int:
+    return _generator().initial_seed()
+
+
+RNG_FUNCTIONS = {
+    f.__name__: f
+    for f in (
+        get_rng_state,
+        set_rng_state,
+        get_rng_state_all,
+        set_rng_state_all,
+        manual_seed,
+        manual_seed_all,
+        seed,
+        seed_all,
+        initial_seed,
+    )
+}
+
+
+def install_rng_functions(device_name: str) -> None:
+    """Add the RNG functions to the device module torch registered for ``device_name`` (``torch.<device_name>``)."""
+    module = torch.get_device_module(device_name)
+    for name, fn in RNG_FUNCTIONS.items():
+        setattr(module, name, fn)
