@@ -102,3 +102,40 @@ def test_nccl_group_equals_in_memory_group() -> None:
         assert len(nccl) == len(mem)
         for i, (a, b) in enumerate(zip(nccl, mem)):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (d, i, a, b)
+
+
+def test_host_staged_gloo_on_one_gpu_equals_in_memory_group() -> None:
+    """Simulated CUDA ranks in process mode share one GPU, which NCCL refuses: Gloo staged through the host."""
+    import torch.distributed as dist
+
+    from torch_dtorch.collectives import TorchDistComm, TorchDistGroup
+
+    store = dist.HashStore()
+    prefix = f"staged{next(_PREFIX)}"
+    devices = (0, 1)
+    world = InMemoryWorld(devices, timeout_s=60)
+    gpu = torch.device("cuda", 0)
+
+    def body(d: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+        g = TorchDistGroup.create(
+            dist.PrefixStore(prefix, store), devices, d, backend="gloo", torch_device=gpu, timeout_s=60
+        )
+        got = _ops(g, *(t.to(gpu) for t in _data(d)))
+        assert all(t.device == gpu for t in got), [t.device for t in got]
+        comm = TorchDistComm(store, d, devices, backend="gloo", torch_device=gpu, prefix=prefix + "p2p")
+        received = None
+        if d == 0:
+            comm.send(torch.arange(6.0, device=gpu).view(2, 3), 1).wait()
+        else:
+            received = comm.recv(0)
+        return [t.cpu() for t in got], _ops(world.group(devices).handle(d), *_data(d)), received
+
+    out = run_ranks(devices, body, join_timeout_s=120).check()
+    for d in devices:
+        staged, mem, _ = out[d]
+        assert len(staged) == len(mem)
+        for i, (a, b) in enumerate(zip(staged, mem)):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (d, i, a, b)
+    received = out[1][2]
+    assert received is not None and received.device == gpu
+    assert torch.equal(received.cpu(), torch.arange(6.0).view(2, 3))

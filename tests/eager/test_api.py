@@ -258,3 +258,28 @@ def test_inplace_ops_write_through_views() -> None:
     row = dx[1]
     with pytest.raises(NotImplementedError, match="redistributed copy"):
         row.mul_(2)
+
+
+def test_copy_from_a_plain_tensor_and_load_state_dict() -> None:
+    """``dtorch_t.copy_(plain)`` uploads in ``dtorch_t``'s placements (broadcasting, casting), as a copy across
+    devices does in torch; so ``load_state_dict`` of a plain checkpoint fills a distributed model."""
+    mesh = init_mesh((3,))
+    x = dt.distribute_tensor(torch.zeros(7, 4, dtype=torch.float64), mesh, [Shard(0)])
+    v = torch.randn(7, 4)
+    x.copy_(v)
+    assert x.placements == (Shard(0),) and x.dtype == torch.float64
+    torch.testing.assert_close(x.full_tensor(), v.double())
+    row = torch.randn(4)
+    x.copy_(row)  # broadcast
+    torch.testing.assert_close(x.full_tensor(), row.double().expand(7, 4))
+
+    torch.manual_seed(0)
+    plain, model = torch.nn.Linear(4, 5), torch.nn.Linear(4, 5)
+    for name, p in list(model.named_parameters()):
+        setattr(model, name, torch.nn.Parameter(dt.distribute_tensor(torch.zeros_like(p), mesh, [Shard(0)])))
+    model.load_state_dict(plain.state_dict())
+    assert model.weight.placements == (Shard(0),)
+    inp = torch.randn(2, 4)
+    with torch.no_grad():
+        got = model(dt.distribute_tensor(inp, mesh, [Replicate()])).full_tensor()
+        torch.testing.assert_close(got, plain(inp))

@@ -11,14 +11,16 @@ import pytest
 import torch
 
 import torch_dtorch as dt
-from tests.eager.conftest import init_mesh
+from tests.eager.conftest import TEST_DEVICE, init_mesh
 from torch_dtorch import Replicate, Shard
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _z(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=torch.complex64, generator=torch.Generator().manual_seed(5))
+    # drawn on the CPU (the generator's device), then moved to the suite's device (a GPU in the CUDA run)
+    z = torch.randn(*shape, dtype=torch.complex64, generator=torch.Generator().manual_seed(5), device="cpu")
+    return z.to(TEST_DEVICE)
 
 
 @pytest.mark.parametrize("shape", [(1,), (3,)], ids=["1", "3"])

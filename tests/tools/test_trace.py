@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -98,3 +99,27 @@ def test_pipeline_trace_overlaps_stages(tmp_path: Path) -> None:
     assert png.stat().st_size > 1000
     # the hooks are gone after the block
     assert prof._before not in kernel_mod.before_hooks and prof._after not in kernel_mod.after_hooks
+
+
+@thread_only
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA event timing needs a GPU")
+def test_cuda_spans_are_timed_with_events() -> None:
+    """On CUDA workers the kernel spans are measured by events on the workers' streams (``timer: cuda``): a big
+    matmul's span is at least as long as the device took for it, not the microseconds of the asynchronous launch."""
+    mesh = dt.init_device_mesh("cuda", (2,), simulate=True)
+    a = dt.distribute_tensor(torch.randn(4096, 4096, device="cuda"), mesh, [dt.Shard(0)])
+    b = dt.distribute_tensor(torch.randn(4096, 4096, device="cuda"), mesh, [dt.Replicate()])
+    (a @ b).full_tensor()  # warm-up (cuBLAS handles, allocator)
+    with dt.profile() as prof:
+        c = a @ b
+        for _ in range(3):
+            c = c @ b
+        c.full_tensor()
+    spans = [s for s in prof.spans if s.name == "aten.matmul"]  # kept whole (a composite)
+    assert len(spans) == 8, [s.name for s in prof.spans]
+    assert all(s.args.get("timer") == "cuda" for s in spans), [s.args for s in spans]
+    # 2 * 2048 * 4096^2 flop on one H200 at fp32 is >= 0.1 ms, a launch a few microseconds
+    assert all(s.duration >= 1e-4 for s in spans), [s.duration for s in spans]
+    for d in (0, 1):  # one compute stream per worker: its kernels follow one another
+        mine = sorted((s for s in spans if s.device == d), key=lambda s: s.start)
+        assert all(x.end <= y.start + 1e-5 for x, y in zip(mine, mine[1:])), [(s.start, s.end) for s in mine]

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from torch_dtorch import _compat
+from torch_dtorch.backend.call_key import CallKeyMemo, fast_key
 from torch_dtorch.backend.capture import format_aten_graph
 from torch_dtorch.backend.local import LocalProgram, build_local_program
 from torch_dtorch.backend.options import CompileOptions
@@ -50,30 +51,6 @@ log = logging.getLogger(__name__)
 _PROGRAM_IDS = itertools.count(1)
 _SCALAR_TAG = "scalar input"
 _MAX_FAST_KEYS = 256
-
-
-def _fast_key(generation: int, args: Sequence[Any]) -> tuple[tuple[int, ...], list[int]] | None:
-    """``((generation, layout id per input), operand ids)`` when every input is a live, bound dtorch tensor of
-    this runtime generation; else ``None`` (the slow path handles scalars, unbound tensors and errors)."""
-    entries = TABLE._entries
-    key = [generation]
-    ids: list[int] = []
-    try:
-        for a in args:
-            e = entries.get(id(a.untyped_storage()))
-            if e is None or e.generation != generation or a.shape != e.shape:
-                return None
-            x = e.operand
-            if x.mesh is None:
-                return None
-            lid = e.layout
-            if lid is None:
-                lid = e.layout = layout_of(x)
-            key.append(lid)
-            ids.append(x.id)
-    except (AttributeError, RuntimeError):  # not a tensor; a tensor without storage
-        return None
-    return tuple(key), ids
 
 
 def _submit(executor: Any, instr: Any) -> None:
@@ -150,6 +127,7 @@ class CompiledGraph:
         self._variants: dict[Any, _Variant] = {}
         #: (generation, layout id of each input) -> variant: the per-call lookup
         self._fast: dict[tuple[int, ...], _Variant] = {}
+        self._memo = CallKeyMemo()
         self._lock = threading.Lock()
         self._plain_fn: Callable[..., Any] | None = None
         self.reports: list[CompileReport] = []
@@ -161,7 +139,7 @@ class CompiledGraph:
         rt = _state._RUNTIME
         fast = self._fast
         if fast and rt is not None:
-            key = _fast_key(rt.generation, args)
+            key = self._memo.key(rt.generation, args)
             if key is not None:
                 variant = fast.get(key[0])
                 if variant is not None:
@@ -199,11 +177,11 @@ class CompiledGraph:
             variant = self._compile(rt, key, operands)
             if variant is None:
                 return list(self.gm(*args))
-        fast_key = _fast_key(rt.generation, args)
-        if fast_key is not None:  # later calls with these layouts take the hot path
+        hot = fast_key(rt.generation, args)
+        if hot is not None:  # later calls with these layouts take the hot path
             if len(self._fast) >= _MAX_FAST_KEYS:
                 self._fast.clear()
-            self._fast[fast_key[0]] = variant
+            self._fast[hot[0]] = variant
         scalars = [x for x in operands if x.tag == _SCALAR_TAG]
         result = self._run(rt, variant, [x.id for x in operands], args)
         for x in scalars:  # uploaded for this call only (the Free follows the RunProgram)

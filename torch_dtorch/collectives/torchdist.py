@@ -9,15 +9,19 @@ the in-memory group (uneven all-gather by pad-to-max + trim, reduce-scatter by p
 through ``alltoall_base`` with per-rank split sizes, ``avg`` as sum then divide). The code path is the same for both
 backends: only tensor devices differ. Only Gloo is exercised by the CPU test-suite.
 
+Gloo with CUDA ranks (several simulated ranks on one GPU in process mode, where NCCL refuses two ranks on one
+device) is *host-staged*: each collective copies its input to the CPU and its result back to the rank's GPU.
+
 Reductions follow the backend's order (ring, tree...), so ``sum``/``avg`` of floats may differ from the in-memory
 group in the last bits; ``max``/``min`` and integer-valued data are exact.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -94,6 +98,19 @@ def _from_header(header: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(values[2 : 2 + values[1]], dtype=_DTYPES[values[0]], device=device)
 
 
+def _host_staged(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A collective of a host-staged group: CUDA input copied to the CPU, the result copied back to the GPU."""
+
+    @functools.wraps(fn)
+    def staged(self: TorchDistGroup, t: torch.Tensor | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.home is None:
+            return fn(self, t, *args, **kwargs)
+        out = fn(self, None if t is None else t.cpu(), *args, **kwargs)
+        return out.to(self.home, non_blocking=False)
+
+    return staged
+
+
 class TorchDistGroup:
     """One rank's :class:`~torch_dtorch.collectives.group.Group` over a ``torch.distributed`` backend object.
 
@@ -102,12 +119,20 @@ class TorchDistGroup:
         devices: device ids of the members in rank order.
         device: this rank's device id (must be in ``devices``).
         torch_device: where size headers live (``cpu`` for Gloo, this rank's ``cuda:i`` for NCCL).
+        home: for a host-staged group (Gloo on CUDA ranks), the rank's GPU: results are copied there.
     """
 
     def __init__(
-        self, backend: Any, devices: Sequence[int], device: int, *, torch_device: torch.device
+        self,
+        backend: Any,
+        devices: Sequence[int],
+        device: int,
+        *,
+        torch_device: torch.device,
+        home: torch.device | None = None,
     ) -> None:
         self.backend = backend
+        self.home = home
         self._devices = tuple(devices)
         self._rank = self._devices.index(device)
         self.torch_device = torch.device(torch_device)
@@ -129,9 +154,11 @@ class TorchDistGroup:
             raise CollectiveError(f"TorchDistGroup: device {device} is not in the group {devices}")
         prefix = dist.PrefixStore("group/" + "-".join(map(str, devices)) + "/", store)
         be = new_backend(prefix, devices.index(device), len(devices), backend=backend, timeout_s=timeout_s)
-        default = (
-            torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        )
+        if backend == "gloo":
+            # Gloo moves host memory: CUDA ranks (simulated on one GPU) are staged through the CPU
+            home = torch_device if torch_device is not None and torch_device.type == "cuda" else None
+            return cls(be, devices, device, torch_device=torch.device("cpu"), home=home)
+        default = torch.device("cuda", torch.cuda.current_device())
         return cls(be, devices, device, torch_device=torch_device or default)
 
     @property
@@ -155,6 +182,7 @@ class TorchDistGroup:
         _wait(self.backend.allgather([out], [mine]), "all_gather(sizes)", self._devices)
         return [int(t.item()) for t in out]
 
+    @_host_staged
     def all_gather(self, t: torch.Tensor, dim: int, *, sizes: Sequence[int] | None = None) -> torch.Tensor:
         dim = normalize_dim(dim, t.ndim, "all_gather")
         sizes = self._exchange_sizes(t.shape[dim]) if sizes is None else list(sizes)
@@ -174,6 +202,7 @@ class TorchDistGroup:
         _wait(self.backend.allgather([out], [buf]), f"all_gather(dim={dim})", self._devices)
         return torch.cat([o.narrow(dim, 0, s) for o, s in zip(out, sizes)], dim=dim)
 
+    @_host_staged
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _reduce_op(op)
@@ -181,6 +210,7 @@ class TorchDistGroup:
         _wait(self.backend.allreduce([buf], opts), f"all_reduce(op={op})", self._devices)
         return _finish_avg(buf, op, self.size)
 
+    @_host_staged
     def reduce_scatter(self, t: torch.Tensor, op: str, dim: int) -> torch.Tensor:
         dim = normalize_dim(dim, t.ndim, "reduce_scatter")
         n, size = self.size, t.shape[dim]
@@ -202,6 +232,7 @@ class TorchDistGroup:
         out = out if mine == full else out.narrow(dim, 0, mine).contiguous()
         return _finish_avg(out, op, n)
 
+    @_host_staged
     def all_to_all(
         self, t: torch.Tensor, src_dim: int, dst_dim: int, *, src_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
@@ -226,6 +257,7 @@ class TorchDistGroup:
         parts = [flat.view(shape) for flat, shape in zip(recv.split(recv_splits), shapes)]
         return torch.cat(parts, dim=src_dim)
 
+    @_host_staged
     def broadcast(self, t: torch.Tensor | None, src: int) -> torch.Tensor:
         if not 0 <= src < self.size:
             raise ValueError(f"broadcast: src rank {src} out of range for a group of {self.size}")
@@ -294,6 +326,7 @@ class TorchDistComm:
         self._groups: dict[tuple[int, ...], TorchDistGroup] = {}
         self.world = self._make(tuple(int(d) for d in world_devices), torch_device)
         self.torch_device = self.world.torch_device
+        self.home = self.world.home  # host-staged (Gloo on CUDA ranks): where received tensors go
 
     @property
     def device(self) -> int:
@@ -317,11 +350,11 @@ class TorchDistComm:
     def group(self, devices: Sequence[int]) -> Group:
         key = tuple(int(d) for d in devices)
         group = self._groups.get(key)
-        return group if group is not None else self._make(key, self.torch_device)
+        return group if group is not None else self._make(key, self.home or self.torch_device)
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> Work:
         rank = self.world.devices.index(dst)
-        header, data = _header(t, self.torch_device), t.contiguous()
+        header, data = _header(t, self.torch_device), (t.cpu() if self.home is not None else t.contiguous())
         works = [
             self.world.backend.send([header], rank, 2 * tag),
             self.world.backend.send([data], rank, 2 * tag + 1),
@@ -335,4 +368,4 @@ class TorchDistComm:
         _wait(self.world.backend.recv([header], rank, 2 * tag), what, (src, self._device))
         out = _from_header(header, self.torch_device)
         _wait(self.world.backend.recv([out], rank, 2 * tag + 1), what, (src, self._device))
-        return out
+        return out if self.home is None else out.to(self.home)

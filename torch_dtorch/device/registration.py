@@ -181,6 +181,18 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     return dst
 
 
+def _copy_inplace(generic: Callable[..., Any]) -> Callable[..., Any]:
+    """``dtorch_t.copy_(cpu_or_cuda_t)`` (``load_state_dict`` into a distributed model) uploads ``src`` in
+    ``dtorch_t``'s placements, as ``cuda_t.copy_(cpu_t)`` copies across devices in torch."""
+
+    def kernel(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
+        if isinstance(src, torch.Tensor) and not is_dtorch(src) and src.dim() > 0 and is_dtorch(self):
+            return _copy_from(src, self, non_blocking)
+        return generic(self, src, non_blocking)
+
+    return kernel
+
+
 def _local_scalar_dense(self: torch.Tensor) -> Any:
     from torch_dtorch.api import to_torch
 
@@ -261,6 +273,8 @@ def register_kernels(ops: Any) -> list[Any]:
             if lib is None:
                 lib = _NAMESPACE_LIBS[op.namespace] = torch.library.Library(op.namespace, "IMPL")
             generic = _generic(op)
+            if op is aten.copy_.default:
+                generic = _copy_inplace(generic)
             lib.impl(_schema_name(op), generic, "PrivateUse1")
             _KERNELS[op] = "generic"
             _BACKEND_KERNELS[op] = generic
@@ -343,6 +357,8 @@ def ensure_registered() -> None:
                 _KERNELS[op] = "sync"
                 continue
             generic = _generic(op)
+            if op is aten.copy_.default:
+                generic = _copy_inplace(generic)
             lib.impl(_schema_name(op), generic, "PrivateUse1")
             _KERNELS[op] = "generic"
             _BACKEND_KERNELS[op] = generic

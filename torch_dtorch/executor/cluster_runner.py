@@ -186,7 +186,8 @@ class ClusterRunner:
             "world": list(self.devices),
             "device_type": self.device_type,
             "simulate": self.simulate,
-            "backend": "nccl" if self.device_type == "cuda" else "gloo",
+            # NCCL refuses two ranks on one GPU: simulated CUDA ranks use host-staged Gloo
+            "backend": "nccl" if self.device_type == "cuda" and not self.simulate else "gloo",
             "validate": self.validate,
             "debug": self._debug,
             "collective_timeout_s": self._collective_timeout_s,

@@ -75,10 +75,12 @@ class Blob:
     """One operand's local tensor on one device (``tensor``), or a sticky ``error``.
 
     On CUDA, ``stream`` names the stream that wrote the tensor (``"compute"`` or ``"comm"``) and ``event`` is
-    recorded after the write: a reader on another stream waits for it first.
+    recorded after the write: a reader on another stream waits for it first. ``waited`` names the one other stream
+    already ordered after that event (it need not wait again: a program reading a thousand parameters would
+    otherwise queue a thousand event waits per call).
     """
 
-    __slots__ = ("tensor", "error", "stream", "event")
+    __slots__ = ("tensor", "error", "stream", "event", "waited")
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class Blob:
         self.error = error
         self.stream = stream
         self.event = event
+        self.waited: str | None = None
 
     @classmethod
     def poisoned(cls, error: KernelError) -> Blob:

@@ -122,11 +122,13 @@ class KernelStream:
             return
         s = self._streams[kind]
         for b in blobs:
-            if b is None or b.event is None or b.stream == kind or b.tensor is None:
+            if b is None or b.event is None or b.stream == kind or b.waited == kind or b.tensor is None:
                 continue
             s.wait_event(b.event)
             if b.tensor.device.type == "cuda":
                 b.tensor.record_stream(s)  # the allocator must not reuse it before ``s`` is done with it
+            # ``s`` stays ordered after the write, and one record_stream covers every later use
+            b.waited = kind
 
     def stamp(self, blobs: Iterable[Blob], kind: str) -> None:
         """Record that ``blobs`` were written on stream ``kind`` (one event after the write)."""
@@ -139,6 +141,7 @@ class KernelStream:
         for b in blobs:
             b.stream = kind
             b.event = event
+            b.waited = None
 
     def synchronize(self) -> None:
         """Wait for every kernel queued on both streams (no-op on the CPU)."""
