@@ -12,6 +12,7 @@ directly on the GPU (nothing is downloaded). A 1024x1024 image is 4096 packed la
 
     python bench/compile_flux_gpu.py                      # full size, needs one large GPU (~24 GiB of weights)
     python bench/compile_flux_gpu.py --small              # 2 double + 2 single blocks: a quick check
+    python bench/compile_flux_gpu.py --layers 10 10       # part of the model (compiles faster)
     python bench/compile_flux_gpu.py --small --device cpu # tiny widths on CPU: checks that the code path runs
 
 Runs on torch 2.11+ with diffusers importable (``PYTHONPATH=...``).
@@ -144,6 +145,9 @@ def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="2 double + 2 single blocks")
+    parser.add_argument(
+        "--layers", type=int, nargs=2, metavar=("DOUBLE", "SINGLE"), help="block counts (default 19 38)"
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -163,6 +167,8 @@ def main() -> None:
     config = dict(TINY if cpu else FLUX_DEV)
     if args.small:
         config.update(num_layers=2, num_single_layers=2)
+    if args.layers:
+        config.update(num_layers=args.layers[0], num_single_layers=args.layers[1])
     dtype = torch.float32 if cpu else torch.bfloat16
     image_tokens = args.image_tokens or (64 if cpu else 4096)
     text_tokens = args.text_tokens or (16 if cpu else 512)
