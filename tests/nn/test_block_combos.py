@@ -1,7 +1,10 @@
 """A transformer block (RMSNorm, attention with GQA and causal mask, SwiGLU MLP) under combinations of DP / TP /
 CP (ring, Ulysses, both) / PP on CPU meshes of up to 16 virtual devices, compared with single-device torch.
 
-A few representative combinations run by default; the full matrix is marked slow."""
+Eager and compiled (``torch.compile(backend="dtorch", fullgraph=True)``: one graph, so TP style hooks and pipeline
+stage moves run inside it as ``dtorch::place`` requests, context-parallel attention as a communicating kernel step
+and the stages as one multi-mesh program). A few representative combinations run by default; the full matrix is
+marked slow."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import torch_dtorch as dt
 from tests.nn.conftest import init_mesh
 from torch_dtorch import Replicate, Shard
+from torch_dtorch.backend.report import CompileReport
 from torch_dtorch.nn import parallelize_module, replicate_module
 from torch_dtorch.nn.pipeline import pipeline_parallel
 
@@ -97,7 +101,7 @@ def _ids(case: tuple[tuple[str, ...], tuple[int, ...], int]) -> str:
     return "-".join(f"{n}{s}" for n, s in zip(names, sizes, strict=True)) + f"-L{seq}"
 
 
-def run_case(names: tuple[str, ...], sizes: tuple[int, ...], seq: int) -> None:
+def run_case(names: tuple[str, ...], sizes: tuple[int, ...], seq: int, *, compiled: bool = False) -> None:
     torch.manual_seed(0)
     ref_model = Tiny().eval()
     batch = 2 * (dict(zip(names, sizes, strict=True)).get("dp", 1))
@@ -125,9 +129,17 @@ def run_case(names: tuple[str, ...], sizes: tuple[int, ...], seq: int) -> None:
         for n in axis_names
     ]
     xd = dt.distribute_tensor(x, in_mesh, placements)
+    reports: list[CompileReport] = []
+    fn = (
+        torch.compile(model, backend="dtorch", fullgraph=True, options={"reports": reports})
+        if compiled
+        else model
+    )
     with torch.no_grad():
-        out = model(xd)
+        out = fn(xd)
     torch.testing.assert_close(out.full_tensor(), want, rtol=1e-4, atol=1e-4)
+    if compiled:  # one graph, compiled for real (no eager fallback)
+        assert len(reports) == 1 and reports[0].error is None, [r.error for r in reports]
 
 
 @pytest.mark.parametrize("case", FAST, ids=_ids)
@@ -140,3 +152,21 @@ def test_block_combo(case: tuple[tuple[str, ...], tuple[int, ...], int]) -> None
 def test_block_combo_full(case: tuple[tuple[str, ...], tuple[int, ...], int]) -> None:
     assert math.prod(case[1]) <= 16
     run_case(*case)
+
+
+#: compiled by default: PP+TP (multi-mesh program), DP+TP+ring, Ulysses+ring (dynamo tracing costs ~3 s a case)
+COMPILED_FAST = [FAST[3], FAST[4], FAST[2]]
+
+
+@pytest.mark.parametrize("case", COMPILED_FAST, ids=_ids)
+def test_block_combo_compiled(case: tuple[tuple[str, ...], tuple[int, ...], int]) -> None:
+    torch._dynamo.reset()
+    run_case(*case, compiled=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in FAST + FULL if c not in COMPILED_FAST], ids=_ids)
+def test_block_combo_compiled_full(case: tuple[tuple[str, ...], tuple[int, ...], int]) -> None:
+    assert math.prod(case[1]) <= 16
+    torch._dynamo.reset()
+    run_case(*case, compiled=True)

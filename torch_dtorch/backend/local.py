@@ -4,14 +4,21 @@ Every operator becomes what the eager worker would run for it on that rank — t
 once, at compile time, with the rank's local shapes) and its local kernel — and every ``redistribute`` becomes a
 collective node carrying its :class:`~torch_dtorch.placement_rules.planner.RedistributePlan`. The program is then
 cut at the collectives into **compute segments** (plain aten FX graphs a worker may hand to inductor) and
-**collective steps** (run with the worker's communicator), connected through numbered value slots.
+**collective steps** (run with the worker's communicator), connected through numbered value slots. An operator
+whose rule kernel itself communicates (context-parallel attention: ring K/V passing, Ulysses all-to-all) becomes a
+**kernel step**, run like a collective with the worker's communicator in its :class:`LocalContext`.
+
+A program may span several meshes (pipeline stages): a rank runs only the operators assigned to it, and a
+redistribute between meshes is a collective step whose input (or output) slot is ``None`` on the ranks outside its
+source (or destination) mesh.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,15 +31,18 @@ from torch_dtorch.graph.operand import dtype_str
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement_rules import OpRule
 from torch_dtorch.placement_rules.call import LocalContext, map_operands
+from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
 from torch_dtorch.placement_rules.rule import FunctionRule
 from torch_dtorch.placement_rules.simulate import cached_local_shape_and_offset
 
 __all__ = [
     "CollectiveStep",
+    "KernelStep",
     "LocalProgram",
     "ProgramSource",
     "Segment",
     "build_local_program",
+    "comm_kernel",
     "redistribute",
 ]
 
@@ -45,6 +55,12 @@ def redistribute(x: torch.Tensor) -> torch.Tensor:
     raise RuntimeError(
         "redistribute nodes of a dtorch local program run through the program runner, not as a Python call"
     )
+
+
+def comm_kernel(*args: Any, **kwargs: Any) -> Any:
+    """Marker target of operators whose rule kernel communicates (``meta["kernel"]`` holds rule, call, context);
+    the program runner calls the kernel with the worker's communicator."""
+    raise RuntimeError("communicating kernels of a dtorch local program run through the program runner")
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,16 @@ class ProgramSource:
 
     @property
     def devices(self) -> tuple[int, ...]:
-        return tuple(self.mesh.root.devices)
+        """Every device with work in the program: the meshes of its inputs and the devices of its operators
+        (several stage meshes for a pipeline)."""
+        devs = set(self.mesh.root.devices)
+        for x in self.inputs:
+            if x.mesh is not None:
+                devs.update(x.mesh.root.devices)
+        for op in self.operators:
+            if op.assign is not None:
+                devs.update(op.assign.devices)
+        return tuple(sorted(devs))
 
 
 @dataclass
@@ -87,13 +112,43 @@ class CollectiveStep:
     release: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class SlotRef:
+    """Where a :class:`KernelStep` argument comes from."""
+
+    slot: int
+
+
+@dataclass
+class KernelStep:
+    """``slots[out_slot] = rule.kernel(call, ctx + worker comm, *args)`` (``SlotRef`` arguments read from slots):
+    an operator whose local kernel communicates, run between segments like a collective."""
+
+    rule: Any
+    call: Any
+    ctx: LocalContext
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    in_slots: tuple[int, ...]
+    out_slot: int
+    out_meta: Any
+    note: str
+    release: tuple[int, ...] = ()
+
+    def with_comm(self, comm: Any) -> LocalContext:
+        return replace(self.ctx, comm=comm)
+
+
+Step = Segment | CollectiveStep | KernelStep
+
+
 @dataclass
 class LocalProgram:
     """Everything one worker needs to replay a compiled graph."""
 
     device: int
     graph: fx.Graph
-    steps: list[Segment | CollectiveStep]
+    steps: list[Step]
     num_inputs: int
     num_slots: int
     out_slots: tuple[int | None, ...]
@@ -105,17 +160,30 @@ class LocalProgram:
 
     @property
     def num_collectives(self) -> int:
-        return sum(isinstance(s, CollectiveStep) for s in self.steps)
+        """Steps that talk to other ranks (collectives and communicating kernels)."""
+        return sum(not isinstance(s, Segment) for s in self.steps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _coordinate(root: DeviceMesh, device: int) -> tuple[int, ...]:
+    """``root.coordinate_of(device)``, memoized: it runs tensor ops, which are slow under the tracing modes still
+    active while the first call of a compiled graph builds its programs."""
+    return root.coordinate_of(device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _devices(root: DeviceMesh) -> frozenset[int]:
+    return frozenset(root.devices)
 
 
 def _local_meta(x: Operand, device: int) -> LocalMeta | None:
     if x.mesh is None:
         return x.shape, x.dtype
     root = x.mesh.root
-    if device not in root.devices:
+    if device not in _devices(root):
         return None
     shape, _ = cached_local_shape_and_offset(
-        x.shape, root.shape, x.root_placements, root.coordinate_of(device)
+        x.shape, root.shape, x.root_placements, _coordinate(root, device)
     )
     return shape, x.dtype
 
@@ -183,7 +251,7 @@ def build_local_program(
             continue
         rule, call = op.payload.rule, op.payload.call
         root = call.mesh.root
-        coord = root.coordinate_of(device)
+        coord = _coordinate(root, device)
         outs = [
             cached_local_shape_and_offset(o.shape, root.shape, o.root_placements, coord) for o in op.outputs
         ]
@@ -206,10 +274,15 @@ def build_local_program(
             and _takes_device(call.op)
         ):
             kwargs = {**kwargs, "device": torch_device}
-        target = _kernel_target(rule, call, ctx) if _has_custom_kernel(rule) else call.op
-        node = g.call_function(target, tuple(args), kwargs)
-        if target is not call.op:
-            node.meta["display"] = f"{target_name(call.op)}[rule kernel]"
+        custom = _has_custom_kernel(rule)
+        if custom and kernel_needs_comm(call):
+            node = g.call_function(comm_kernel, tuple(args), kwargs)
+            node.meta.update(kernel=(rule, call, ctx), display=f"{target_name(call.op)}[rule kernel, comm]")
+        else:
+            target = _kernel_target(rule, call, ctx) if custom else call.op
+            node = g.call_function(target, tuple(args), kwargs)
+            if target is not call.op:
+                node.meta["display"] = f"{target_name(call.op)}[rule kernel]"
         if _returns_sequence(call.op):
             node.meta.update(label=", ".join(o.name for o in op.outputs), multi=True)
             node.meta["local"] = tuple(_local_meta(o, device) for o in op.outputs)
@@ -232,7 +305,7 @@ def _split(
     """Cut the rank graph at its collectives into compute segments joined by value slots."""
     slot: dict[fx.Node, int] = {}
     next_slot = num_inputs
-    steps: list[Segment | CollectiveStep] = []
+    steps: list[Step] = []
     current: list[fx.Node] = []
     output_node = next(n for n in g.nodes if n.op == "output")
 
@@ -283,6 +356,23 @@ def _split(
                     n.meta.get("local"),
                 )
             )
+        elif n.target is comm_kernel:
+            close()
+            rule, call, ctx = n.meta["kernel"]
+            args, kwargs = _to_slots((n.args, dict(n.kwargs)), slot)
+            steps.append(
+                KernelStep(
+                    rule,
+                    call,
+                    ctx,
+                    tuple(args),
+                    kwargs,
+                    tuple(slot[a] for a in n.all_input_nodes),
+                    new_slot(n),
+                    n.meta.get("local"),
+                    str(n.meta["display"]),
+                )
+            )
         else:
             current.append(n)
     close()
@@ -293,11 +383,26 @@ def _split(
     return LocalProgram(device, g, steps, num_inputs, next_slot, out_slots, in_meta, names)
 
 
-def _set_release(steps: list[Segment | CollectiveStep], keep: set[int], num_inputs: int) -> None:
+def _to_slots(value: Any, slot: dict[fx.Node, int]) -> Any:
+    """``value`` with every FX node replaced by the :class:`SlotRef` of its slot (plain lists / tuples / dicts)."""
+    if isinstance(value, fx.Node):
+        return SlotRef(slot[value])
+    if isinstance(value, (list, tuple)):
+        items = [_to_slots(v, slot) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        return {k: _to_slots(v, slot) for k, v in value.items()}
+    return value
+
+
+def _set_release(steps: list[Step], keep: set[int], num_inputs: int) -> None:
     """After each step, drop the slots nothing later reads (so intermediates die as early as in eager mode)."""
     last: dict[int, int] = {}
     for i, s in enumerate(steps):
-        reads = s.in_slots if isinstance(s, Segment) else ((s.in_slot,) if s.in_slot is not None else ())
+        if isinstance(s, CollectiveStep):
+            reads: tuple[int, ...] = (s.in_slot,) if s.in_slot is not None else ()
+        else:
+            reads = s.in_slots
         for r in reads:
             last[r] = i
     for i, s in enumerate(steps):

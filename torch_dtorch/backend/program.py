@@ -25,10 +25,12 @@ import torch
 from torch_dtorch import _compat
 from torch_dtorch.backend.local import (
     CollectiveStep,
+    KernelStep,
     LocalMeta,
     LocalProgram,
     ProgramSource,
     Segment,
+    SlotRef,
     build_local_program,
 )
 from torch_dtorch.executor.worker import Worker, register_instruction
@@ -173,6 +175,36 @@ def _collective(worker: Worker, step: CollectiveStep, x: torch.Tensor | None) ->
     return execute_plan(step.plan, x, device=worker.device, comm=worker.comm)
 
 
+def _zeros_like_meta(meta: Any, device: torch.device) -> Any:
+    """Zeros for a step's output meta: one ``LocalMeta`` or a tuple of them (ops returning several tensors)."""
+    if meta is None or (len(meta) == 2 and isinstance(meta[1], torch.dtype)):
+        return _zeros(meta, device)
+    return tuple(_zeros(m, device) for m in meta)
+
+
+def _resolve(value: Any, vals: list[Any]) -> Any:
+    if type(value) is SlotRef:
+        return vals[value.slot]
+    if isinstance(value, (list, tuple)):
+        items = [_resolve(v, vals) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        return {k: _resolve(v, vals) for k, v in value.items()}
+    return value
+
+
+def _comm_kernel(worker: Worker, step: KernelStep, vals: list[Any]) -> Any:
+    """A communicating rule kernel (context-parallel attention) with the worker's communicator."""
+    args, kwargs = _resolve(step.args, vals), _resolve(step.kwargs, vals)
+    ctx = step.with_comm(worker.comm)
+    if worker.torch_device.type == "cuda":  # as around collectives: peers read what this rank's stream wrote
+        torch.cuda.synchronize(worker.torch_device)
+        out = step.rule.kernel(step.call, ctx, args, kwargs)
+        torch.cuda.synchronize(worker.torch_device)
+        return out
+    return step.rule.kernel(step.call, ctx, args, kwargs)
+
+
 @register_instruction(RunProgram)
 def _run(worker: Worker, instr: RunProgram) -> None:
     loaded = _PROGRAMS.get(worker, {}).get(instr.program_id)
@@ -254,6 +286,19 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
                 outs = [_zeros(m, dev) for m in step.out_meta]
             for s, v in zip(step.out_slots, outs):
                 vals[s] = v
+        elif type(step) is KernelStep:
+            if err is not None and board is not None and key is not None and not posted:
+                board.post(key, err)
+                posted = True
+            try:  # runs on zeros after an error too: the peers wait for this rank's messages
+                y = _comm_kernel(worker, step, vals)
+            except Exception as e:  # noqa: BLE001
+                if err is None:
+                    err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site,
+                                      detail=f"in {step.note}")  # fmt: skip
+                    err.__cause__ = e
+                y = _zeros_like_meta(step.out_meta, dev)
+            vals[step.out_slot] = y
         else:
             assert isinstance(step, CollectiveStep)
             if err is not None and board is not None and key is not None and not posted:

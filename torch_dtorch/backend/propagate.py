@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from torch_dtorch.backend.local import ProgramSource
+from torch_dtorch.backend.place import PLACE_OP, place_target
 from torch_dtorch.config import RedistributePolicy
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.executor.constructor import GraphConstructor
@@ -93,6 +94,21 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
+def _place(con: GraphConstructor, moved: dict[tuple[Any, ...], Operand], x: Any, *request: Any) -> Any:
+    """``dtorch::place``: the redistribute the hook would have made for ``x``'s layout (each request once per
+    operand: a tensor moved to a pipeline stage by several hooks is moved once)."""
+    if not isinstance(x, Operand):
+        raise UnsupportedGraphError(f"dtorch::place on {type(x).__name__}, expected a tensor operand")
+    key = (x.id, *request)
+    hit = moved.get(key)
+    if hit is not None:
+        return hit
+    tgt = place_target(x.mesh, x.root_placements, x.ndim, *request)
+    y = x if tgt is None else con.redistribute(x, tgt[1], device_mesh=tgt[0])
+    moved[key] = y
+    return y
+
+
 def propagate(
     gm: fx.GraphModule,
     inputs: Sequence[InputSpec],
@@ -110,6 +126,7 @@ def propagate(
     if len(placeholders) != len(inputs):
         raise ValueError(f"propagate: the graph has {len(placeholders)} inputs, {len(inputs)} specs given")
     outputs: list[Any] = []
+    moved: dict[tuple[Any, ...], Operand] = {}
     it = iter(inputs)
     for node in gm.graph.nodes:
         _check_static(node)
@@ -137,6 +154,8 @@ def propagate(
             args, kwargs = _plain(fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
             if node.target is operator.getitem:
                 env[node] = args[0][args[1]]
+            elif node.target is PLACE_OP:
+                env[node] = _place(con, moved, *args)
             elif isinstance(node.target, torch._ops.OpOverload):
                 env[node] = con.call(node.target, *args, **kwargs)
             else:

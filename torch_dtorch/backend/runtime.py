@@ -39,7 +39,7 @@ from torch_dtorch.device.fastpath import layout_of
 from torch_dtorch.device.kernels import DeviceMismatchError, _free_callback, wrap
 from torch_dtorch.device.state import Runtime, get_runtime, runtime_or_none
 from torch_dtorch.device.tensors import DEVICE_NAME, TABLE
-from torch_dtorch.errors import DTorchError, PlacementError
+from torch_dtorch.errors import DTorchError
 from torch_dtorch.graph import Operand
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Replicate, placements_str
@@ -237,13 +237,8 @@ class CompiledGraph:
             if hit is not None:
                 return hit
             report = CompileReport(self.aten_text, inputs=_describe_key(operands))
-            roots = {x.mesh.root for x in operands if x.mesh is not None}
-            if len(roots) > 1:
-                raise PlacementError(
-                    f"{self.backend}: the compiled graph's inputs live on different device meshes:\n"
-                    + "\n".join(f"    {line}" for line in report.inputs)
-                    + "\n  fix: redistribute the inputs onto one mesh first (pipeline stages: compile each stage)"
-                )
+            # inputs may live on several root meshes (pipeline stages): the program spans all of their devices,
+            # each rank runs the operators assigned to it, stage moves are point-to-point collective steps
             mesh = next(x.mesh for x in operands if x.mesh is not None)
             specs = [InputSpec(x.shape, x.dtype, x.mesh, x.placements) for x in operands]
             try:
@@ -255,7 +250,8 @@ class CompiledGraph:
                 self._publish(report)
                 return None
             root = mesh.root
-            programs = {d: build_local_program(prop, d, rt.torch_device(d)) for d in root.devices}
+            devices = prop.source().devices
+            programs = {d: build_local_program(prop, d, rt.torch_device(d)) for d in devices}
             report.logical = str(prop.graph)
             report.local = {d: str(p) for d, p in programs.items()}
             self._publish(report)

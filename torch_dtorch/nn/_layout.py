@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torch_dtorch.api import distribute_tensor, from_local, redistribute
+from torch_dtorch.backend.place import mesh_key, place
 from torch_dtorch.device.kernels import operand_of
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import MeshError, PlacementError
@@ -23,6 +24,7 @@ from torch_dtorch.placement import (
     Replicate,
     Shard,
     local_shape_and_offset,
+    placement_str,
     placements_str,
 )
 
@@ -43,7 +45,7 @@ _R = Replicate()
 class AxisRef:
     """One axis of a root mesh, named by a (possibly sub-mesh view) mesh and an axis of it."""
 
-    __slots__ = ("mesh", "root", "root_axis", "name")
+    __slots__ = ("mesh", "root", "root_axis", "name", "mesh_key")
 
     def __init__(self, mesh: DeviceMesh, axis: int | str | None, *, what: str) -> None:
         if axis is None:
@@ -63,6 +65,8 @@ class AxisRef:
         self.root = mesh.root
         self.root_axis = mesh.root_axes[a]
         self.name = mesh.axis_name(a)
+        #: names the root mesh inside compiled graphs (``dtorch::place``)
+        self.mesh_key = mesh_key(self.root)
 
     @property
     def size(self) -> int:
@@ -135,6 +139,9 @@ def set_axis_placement(
     """
     if placement is None or not isinstance(t, torch.Tensor):
         return t
+    if torch.compiler.is_compiling() and is_dtorch(t):
+        # placements are unknown while dynamo traces: propagation resolves the request (backend/place.py)
+        return place(t, ax.mesh_key, ax.root_axis, placement_str(placement), strict=strict, what=what)
     want = _normalize(placement, t.ndim, what)
     if not is_dtorch(t):
         decl = _normalize(declared if declared is not None else _R, t.ndim, what)

@@ -23,6 +23,7 @@ from torch import nn
 
 from torch_dtorch._tree import map_only
 from torch_dtorch.api import redistribute
+from torch_dtorch.backend.place import STAGE_MOVE, mesh_key, place
 from torch_dtorch.device.kernels import operand_of
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import DTorchError, MeshError
@@ -70,6 +71,8 @@ class PipelineStages:
         self.layer_stage = layer_stage
         self.owners = owners
         self._cache: dict[tuple[int, int], torch.Tensor] = {}
+        #: the stage meshes' keys inside compiled graphs (``dtorch::place`` stage moves)
+        self._keys = [mesh_key(m) for m in meshes]
 
     @property
     def num_stages(self) -> int:
@@ -78,6 +81,13 @@ class PipelineStages:
     def move(self, value: Any, stage: int) -> Any:
         """Move every dtorch tensor in ``value`` to ``stage`` (each tensor once per forward and stage)."""
         mesh = self.meshes[stage]
+        if torch.compiler.is_compiling():  # placements unknown while tracing: propagation makes the move
+            key = self._keys[stage]
+            return map_only(
+                torch.Tensor,
+                lambda t: place(t, key, STAGE_MOVE, what="pipeline stage move") if is_dtorch(t) else t,
+                value,
+            )
 
         def conv(t: torch.Tensor) -> Any:
             if not is_dtorch(t):

@@ -31,7 +31,12 @@ from torch_dtorch.graph import Operand, OperatorCost
 from torch_dtorch.ops.cost import sdpa_cost
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.context_parallel import cp_axes, cp_signatures, run_context_parallel
+from torch_dtorch.placement_rules.context_parallel import (
+    cp_axes,
+    cp_signatures,
+    register_comm_kernel,
+    run_context_parallel,
+)
 from torch_dtorch.placement_rules.normalization import groups_split_evenly
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
@@ -146,3 +151,6 @@ def _cost(call: OpCall) -> OperatorCost:
 def scaled_dot_product_attention(call: OpCall) -> list[PlacementSignature]:
     """Batch/head dims (GQA when heads split in whole groups), query sequence, value features, linear in v."""
     return sdpa_signatures(call)
+
+
+register_comm_kernel(aten.scaled_dot_product_attention.default, lambda call: bool(cp_axes(call)))

@@ -50,6 +50,8 @@ __all__ = [
     "cp_axes",
     "cp_signatures",
     "device_comm",
+    "kernel_needs_comm",
+    "register_comm_kernel",
     "run_context_parallel",
 ]
 
@@ -81,6 +83,22 @@ def device_comm(ctx: LocalContext) -> Any:
             "workers (dt.init_device_mesh); the plain-torch simulator cannot run them"
         )
     return ctx.comm
+
+
+#: op -> predicate: does this call's local kernel communicate (needs ``LocalContext.comm``)?
+_COMM_KERNELS: dict[Any, Callable[[OpCall], bool]] = {}
+
+
+def register_comm_kernel(op: Any, needs_comm: Callable[[OpCall], bool]) -> None:
+    """Declare that ``op``'s rule kernel talks to other ranks when ``needs_comm(call)`` is true. The compiled
+    back end runs such calls as their own program step with the worker's communicator (``backend/local.py``)."""
+    _COMM_KERNELS[op] = needs_comm
+
+
+def kernel_needs_comm(call: OpCall) -> bool:
+    """Whether the local kernel of ``call`` needs the worker's communicator (context-parallel attention)."""
+    pred = _COMM_KERNELS.get(call.op)
+    return pred is not None and pred(call)
 
 
 def mesh_has_cp_axis(mesh: DeviceMesh | None) -> bool:
