@@ -429,8 +429,9 @@ class ClusterRunner:
         self.store.fail(err)
         with self._acks:
             self._acks.notify_all()
-        self._abort = threading.Thread(target=self._stop_everything, name="dtorch-cluster-abort", daemon=True)
-        self._abort.start()
+        abort = threading.Thread(target=self._stop_everything, name="dtorch-cluster-abort", daemon=True)
+        abort.start()  # published once started: shutdown() may join it at any moment after
+        self._abort = abort
 
     @property
     def closed(self) -> bool:

@@ -17,184 +17,124 @@ with CUDA events recorded on the operator's stream (device time, converted to th
 profile), so asynchronous kernels are measured where they run, not where they were queued. Controller flushes
 (a batch handed to the runner) are instant events on process ``controller``.
 
-In process mode (cluster) the worker hooks live in other processes: only the controller's flushes are recorded.
+In process mode each worker process records its own spans the same way (:mod:`torch_dtorch.tools.remote_profile`:
+a ``ProfileControl`` instruction starts and stops them; the spans come back through the store at the end of the
+block, within ``timeout_s``). Workers on the controller's host share its clock (``CLOCK_MONOTONIC``); a worker on
+another host is aligned by an estimate from the stop round trip (``Profile.workers``: pid, host, offset, error).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch_dtorch.runtime import kernel as kernel_mod
+from torch_dtorch.tools import remote_profile
+from torch_dtorch.tools.remote_profile import WorkerClock
+from torch_dtorch.tools.spans import Span, SpanRecorder, StreamLookup
 
-__all__ = ["Profile", "Span", "profile"]
+__all__ = ["Profile", "Span", "WorkerClock", "profile"]
 
 log = logging.getLogger(__name__)
 
 CONTROLLER_PID = -1
 
 
-@dataclass(frozen=True)
-class Span:
-    """One operator on one worker: ``start``/``end`` in seconds since the profile began."""
-
-    name: str
-    category: str  # "kernel" or "collective"
-    device: int
-    stream: str
-    start: float
-    end: float
-    args: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
 class Profile:
-    """What one :func:`profile` block recorded (``spans``, ``flushes``); export with :meth:`export_chrome_trace`."""
+    """What one :func:`profile` block recorded (``spans``, ``flushes``); export with :meth:`export_chrome_trace`.
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    ``timeout_s`` bounds the wait for the worker processes' timelines at the end (process mode)."""
+
+    def __init__(self, path: str | Path | None = None, *, timeout_s: float = 30.0) -> None:
         self.path = Path(path) if path is not None else None
+        self.timeout_s = timeout_s
         self.spans: list[Span] = []
         #: (seconds since start, number of instructions in the batch)
         self.flushes: list[tuple[float, int]] = []
+        #: process mode: who recorded each worker's spans (os pid, host) and how its clock was aligned
+        self.workers: dict[int, WorkerClock] = {}
+        #: seconds from the start to the end of the block (its work finished), set by :meth:`stop`
+        self.elapsed = 0.0
         self._t0 = 0.0
-        self._open: dict[tuple[int, int], tuple[float, Any]] = {}
-        self._lock = threading.Lock()
         self._runner: Any = None
         self._submit: Callable[..., Any] | None = None
-        self._cuda: list[tuple[Any, Any, Span]] = []  # (start event, end event, host-timed span)
-        self._cuda_ref: dict[int, tuple[Any, float]] = {}
+        self._rec = SpanRecorder(0.0)
+        self._remote: int | None = None  # process mode: the id of the workers' profile
+
+    @property
+    def _before(self) -> Callable[[Any, int], None]:
+        return self._rec.before
+
+    @property
+    def _after(self) -> Callable[[Any, int], None]:
+        return self._rec.after
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._t0 = time.perf_counter()
-        kernel_mod.before_hooks.insert(0, self._before)
-        kernel_mod.after_hooks.append(self._after)
         from torch_dtorch.device.state import runtime_or_none
 
+        self._t0 = time.perf_counter()
         rt = runtime_or_none()
-        if rt is not None:
-            runner = rt.executor.runner
-            if getattr(rt, "mode", "thread") != "thread":
-                log.warning(
-                    "dtorch.profile: worker spans are recorded in thread mode only (mode=%s)", rt.mode
-                )
-            self._runner, self._submit = runner, runner.submit
-            original = runner.submit
+        runner: Any = rt.executor.runner if rt is not None else None
+        self._rec = SpanRecorder(self._t0, _thread_streams(runner) if runner is not None else None)
+        self.spans = self._rec.spans
+        self._rec.install()
+        if rt is None or runner is None:
+            return
+        self._runner, self._submit = runner, runner.submit
+        original = runner.submit
 
-            def submit(batch: Any) -> Any:
-                self.flushes.append((time.perf_counter() - self._t0, len(batch)))
-                return original(batch)
+        def submit(batch: Any) -> Any:
+            self.flushes.append((time.perf_counter() - self._t0, len(batch)))
+            return original(batch)
 
-            runner.submit = submit  # instance attribute; removed in stop()
+        runner.submit = submit  # instance attribute; removed in stop()
+        if getattr(rt, "mode", "thread") != "thread":
+            try:
+                self._remote = remote_profile.start(rt.executor, self._t0)
+            except Exception as e:  # noqa: BLE001 - profiling must not break the program
+                log.warning("dtorch.profile: could not start the worker profiles (%s); no worker spans", e)
 
     def stop(self) -> None:
+        remote: list[Span] = []
         if self._runner is not None:
             try:
                 from torch_dtorch.device.state import runtime_or_none
 
                 rt = runtime_or_none()
                 if rt is not None and rt.executor.runner is self._runner:
-                    rt.executor.sync()  # every span issued inside the block is finished
+                    if self._remote is None:
+                        rt.executor.sync()  # every span issued inside the block is finished
+                    else:
+                        remote = self._stop_remote(rt.executor)
             finally:
                 if "submit" in vars(self._runner):
                     del self._runner.submit
-        for hooks, fn in ((kernel_mod.before_hooks, self._before), (kernel_mod.after_hooks, self._after)):
-            if fn in hooks:
-                hooks.remove(fn)
-        self._resolve_cuda()
+        if not self.elapsed:
+            self.elapsed = time.perf_counter() - self._t0
+        self._rec.uninstall()
+        self._rec.resolve_cuda()
+        self.spans.extend(remote)
         self.spans.sort(key=lambda s: (s.start, s.device))
         if self.path is not None:
             self.export_chrome_trace(self.path)
 
-    # --- hooks (worker threads) ---------------------------------------------------------------------------------
-    def _before(self, instr: Any, device: int) -> None:
-        now = time.perf_counter()
-        ev = self._cuda_event(instr, device)
-        self._open[(device, id(instr))] = (now, ev)
-
-    def _after(self, instr: Any, device: int) -> None:
-        now = time.perf_counter()
-        started = self._open.pop((device, id(instr)), None)
-        if started is None:
-            return
-        node = getattr(instr, "node", instr)
-        name = getattr(node, "name", type(instr).__name__)
-        collective = name == "redistribute"
-        assign = getattr(node, "assign", None)
-        stream = assign.stream if assign is not None else ("comm" if collective else "compute")
-        args: dict[str, Any] = {"op_id": getattr(node, "id", None)}
-        if getattr(node, "note", ""):
-            args["plan"] = node.note
-        outs = getattr(node, "outputs", None)
-        if outs:
-            args["out"] = ", ".join(f"{o.type_str()} {o.placements_str}" for o in outs)
-        span = Span(
-            name, "collective" if collective else "kernel", device, stream, started[0] - self._t0, now - self._t0,
-            args,
-        )  # fmt: skip
-        with self._lock:
-            self.spans.append(span)
-            if started[1] is not None:
-                end = self._record_event(device, stream)
-                self._cuda.append((started[1], end, span))
-
-    # --- CUDA ---------------------------------------------------------------------------------------------------
-    def _worker_stream(self, device: int, kind: str) -> Any:
-        streams = getattr(self._runner, "streams", None)
-        ks = streams.get(device) if isinstance(streams, dict) else None
-        if ks is None or not ks.is_cuda:
-            return None
-        return ks.stream(kind)
-
-    def _record_event(self, device: int, kind: str) -> Any:
-        import torch
-
-        s = self._worker_stream(device, kind)
-        if s is None:
-            return None
-        if device not in self._cuda_ref:
-            ref = torch.cuda.Event(enable_timing=True)
-            ref.record(s)
-            ref.synchronize()
-            self._cuda_ref[device] = (ref, time.perf_counter() - self._t0)
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(s)
-        return ev
-
-    def _cuda_event(self, instr: Any, device: int) -> Any:
-        if self._runner is None:
-            return None
-        node = getattr(instr, "node", None)
-        assign = getattr(node, "assign", None)
-        kind = assign.stream if assign is not None else "compute"
-        return self._record_event(device, kind)
-
-    def _resolve_cuda(self) -> None:
-        if not self._cuda:
-            return
-        import torch
-
-        torch.cuda.synchronize()
-        by_span = {id(s): i for i, s in enumerate(self.spans)}
-        for start, end, span in self._cuda:
-            if end is None:
-                continue
-            ref, host = self._cuda_ref[span.device]
-            t0 = host + ref.elapsed_time(start) / 1e3
-            t1 = host + ref.elapsed_time(end) / 1e3
-            new = Span(
-                span.name, span.category, span.device, span.stream, t0, t1, {**span.args, "timer": "cuda"}
-            )
-            self.spans[by_span[id(span)]] = new
+    def _stop_remote(self, executor: Any) -> list[Span]:
+        """Process mode: a bounded barrier (the block's work is done), then the workers' spans."""
+        assert self._remote is not None
+        t_start = time.perf_counter()
+        try:
+            executor.sync(timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead or hung worker: keep what arrives
+            log.warning("dtorch.profile: the workers did not finish the block (%s: %s)", type(e).__name__, e)
+        self.elapsed = time.perf_counter() - self._t0
+        left = max(self.timeout_s - (time.perf_counter() - t_start), 1.0)
+        spans, self.workers = remote_profile.collect(executor, self._remote, timeout_s=left)
+        self._remote = None
+        return spans
 
     # --- export -------------------------------------------------------------------------------------------------
     def trace_events(self) -> list[dict[str, Any]]:
@@ -207,6 +147,16 @@ class Profile:
         for dev in sorted({s.device for s in self.spans}):
             events.append(_meta("process_name", dev, 0, {"name": f"worker {dev}"}))
             events.append(_meta("process_sort_index", dev, 0, {"sort_index": dev}))
+            w = self.workers.get(dev)
+            if w is not None:  # process mode: the worker process and its clock alignment
+                clock = (
+                    "shared clock"
+                    if w.shared_clock
+                    else f"clock offset {w.offset * 1e3:+.3f} ms ± {w.error * 1e3:.3f}"
+                )
+                events.append(
+                    _meta("process_labels", dev, 0, {"labels": f"pid {w.pid} on {w.host}, {clock}"})
+                )
             for stream in sorted({s.stream for s in self.spans if s.device == dev}):
                 tid = tids.setdefault(stream, len(tids))
                 events.append(_meta("thread_name", dev, tid, {"name": stream}))
@@ -288,10 +238,27 @@ class Profile:
         self.stop()
 
 
-def profile(path: str | Path | None = None) -> Profile:
+def profile(path: str | Path | None = None, *, timeout_s: float = 30.0) -> Profile:
     """``with dt.profile("trace.json") as prof:`` — record a timeline of the block (written to ``path`` at exit,
-    if given; :meth:`Profile.export_chrome_trace` / :meth:`Profile.save_gantt` any time after)."""
-    return Profile(path)
+    if given; :meth:`Profile.export_chrome_trace` / :meth:`Profile.save_gantt` any time after). ``timeout_s``:
+    process mode, the longest wait for the workers' timelines at exit (a dead worker's are missing, with a
+    warning)."""
+    return Profile(path, timeout_s=timeout_s)
+
+
+def _thread_streams(runner: Any) -> StreamLookup | None:
+    """Thread mode on CUDA: the stream of each worker's operators (the runner's :class:`KernelStream` per device)."""
+    streams = getattr(runner, "streams", None)
+    if not isinstance(streams, dict):
+        return None
+
+    def lookup(device: int, kind: str) -> Any:
+        ks = streams.get(device)
+        if ks is None or not ks.is_cuda:
+            return None
+        return ks.stream(kind)
+
+    return lookup
 
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
