@@ -10,7 +10,9 @@ For every float32 OpInfo (first sample, as in ``tests/conformance``), each place
   (``torch.testing._internal.distributed.multi_threaded_pg``), ``full_tensor()`` compared with torch.
 
 Statuses per op (worst case first): ``wrong`` (a value differing from torch), ``error``, ``no rule`` (dtorch's
-``NoRuleError``; DTensor's "no sharding strategy"), ``pass`` (dtorch splits it into ``sharded``/``fallback``).
+``NoRuleError``; DTensor's "no sharding strategy"), then a pass, split the same way for both: ``fallback`` (some
+case gathered a sharded input: dtorch recorded an ``S -> R`` redistribute, DTensor issued an ``all_gather`` while
+running the op, counted with ``CommDebugMode``; or the op had no shardable input) and ``sharded``.
 Random OpInfos draw from one process-wide generator that DTensor's four rank threads share, so their DTensor
 values are not comparable (reported as they come out).
 """
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils import _pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.conformance import harness  # noqa: E402
 
 WORLD = 4
-_ORDER = ("wrong", "error", "no rule", "fallback", "sharded", "pass", "skipped")
+_ORDER = ("wrong", "error", "no rule", "fallback", "sharded", "skipped")
+_PASSED = ("sharded", "fallback")
 
 
 def _dtensor_case(fn: Any, sample: Any, shard_dim: int | None, want: Any, values: bool) -> tuple[str, str]:
@@ -52,8 +56,10 @@ def _dtensor_case(fn: Any, sample: Any, shard_dim: int | None, want: Any, values
             torch.Tensor, conv, (sample.input, sample.args, sample.kwargs)
         )
         torch.manual_seed(0)
-        out = fn(inp, *args, **kwargs)
+        with CommDebugMode() as comms:
+            out = fn(inp, *args, **kwargs)
         got = pytree.tree_map_only(DTensor, lambda d: d.full_tensor(), out)
+        gathered = any("all_gather" in str(op) for op in comms.get_comm_counts())
     except Exception as e:  # noqa: BLE001 - every failure is classified
         text = str(e).strip().splitlines()
         first = f"{type(e).__name__}: {text[0] if text else ''}"[:200]
@@ -63,48 +69,57 @@ def _dtensor_case(fn: Any, sample: Any, shard_dim: int | None, want: Any, values
     if not values:
         got, want = harness._shapes(got), harness._shapes(want)
     diff = harness._compare(got, want, exact=False)
-    return ("wrong", diff[:200]) if diff else ("pass", "")
+    if diff:
+        return "wrong", diff[:200]
+    return ("fallback" if gathered else "sharded"), ""
 
 
 def _run_dtensor(info: Any, cases: list[tuple[Any, str, int | None, Any]]) -> list[tuple[str, str]]:
-    """The cases of one OpInfo on 4 rank threads; returns rank 0's (status, detail) per case."""
+    """Each case of one OpInfo in its own 4-rank threaded world; the worst (status, detail) over the ranks."""
+    return [_run_world(info, case) for case in cases]
+
+
+def _run_world(info: Any, case: tuple[Any, str, int | None, Any]) -> tuple[str, str]:
     from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, _install_threaded_pg
 
+    sample, _, shard_dim, want = case
+    values = info.name not in harness.UNINITIALIZED
     world = _install_threaded_pg()
     store = dist.HashStore()
-    results: list[list[tuple[str, str]]] = [[] for _ in range(WORLD)]
-    values = info.name not in harness.UNINITIALIZED
+    results: list[tuple[str, str]] = [("error", "rank did not finish")] * WORLD
 
     def rank_main(rank: int) -> None:
         dist.init_process_group(backend="threaded", rank=rank, world_size=WORLD, store=store)
         try:
-            for sample, _, shard_dim, want in cases:
-                results[rank].append(_dtensor_case(info.op, sample, shard_dim, want, values))
-        except BaseException as ex:  # noqa: BLE001 - wake the other ranks' collectives
-            ProcessLocalGroup.exception_handle(ex)
-            results[rank].append(("error", f"{type(ex).__name__}: {ex}"[:200]))
+            results[rank] = _dtensor_case(info.op, sample, shard_dim, want, values)
+            if results[rank][0] in ("error", "no rule"):
+                # the other ranks may wait in a collective this rank never joins: wake them
+                ProcessLocalGroup.exception_handle(RuntimeError(results[rank][1]))
         finally:
             if world == dist.distributed_c10d._world:
                 dist.destroy_process_group()
 
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
     try:
         threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(WORLD)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=60)
         if any(t.is_alive() for t in threads):
-            return [("error", "DTensor ranks did not finish within 120 s")] * len(cases)
+            ProcessLocalGroup.exception_handle(RuntimeError("timeout"))
+            return "error", "DTensor ranks did not finish within 60 s (diverging collectives)"
     finally:
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
         ProcessLocalGroup.reset()
-    got = results[0]
-    return got + [("error", "rank 0 stopped early")] * (len(cases) - len(got))
+    real = [r for r in results if r[1] != "rank did not finish"] or results
+    return min(real, key=lambda r: _ORDER.index(r[0]))
 
 
-def _worst(statuses: list[str]) -> str:
-    return min(statuses, key=_ORDER.index) if statuses else "skipped"
+def _worst(statuses: list[str], shardable: bool) -> str:
+    """The worst case; a pass of an op with no shardable input (only the all-Replicate case) is a fallback."""
+    worst = min(statuses, key=_ORDER.index) if statuses else "skipped"
+    return "fallback" if worst == "sharded" and not shardable else worst
 
 
 def run(keys: list[str] | None, limit: int | None) -> list[tuple[str, str, str, str]]:
@@ -135,11 +150,17 @@ def run(keys: list[str] | None, limit: int | None) -> list[tuple[str, str, str, 
             status, detail = harness.run_case(info.op, sample, mesh, d, want, values=values)
             ours.append((status.value, detail))
         theirs = _run_dtensor(info, cases)
-        detail = next((d for s, d in ours if s not in ("sharded", "fallback")), "") or next(
-            (d for s, d in theirs if s != "pass"), ""
+        detail = next((d for s, d in ours if s not in _PASSED), "") or next(
+            (d for s, d in theirs if s not in _PASSED), ""
         )
+        shardable = any(d is not None for _, _, d, _ in cases)
         rows.append(
-            (harness.op_key(info), _worst([s for s, _ in ours]), _worst([s for s, _ in theirs]), detail)
+            (
+                harness.op_key(info),
+                _worst([s for s, _ in ours], shardable),
+                _worst([s for s, _ in theirs], shardable),
+                detail,
+            )
         )
     dt.shutdown()
     return rows
@@ -148,7 +169,7 @@ def run(keys: list[str] | None, limit: int | None) -> list[tuple[str, str, str, 
 def render(rows: list[tuple[str, str, str, str]], seconds: float) -> str:
     ours = collections.Counter(r[1] for r in rows)
     theirs = collections.Counter(r[2] for r in rows)
-    passed = ("sharded", "fallback", "pass")
+    passed = _PASSED
     lines = [
         "# Op coverage: dtorch and upstream DTensor",
         "",
@@ -168,6 +189,13 @@ def render(rows: list[tuple[str, str, str, str]], seconds: float) -> str:
     for op, a, b, detail in rows:
         if (a in passed) != (b in passed) or "wrong" in (a, b):
             lines.append(f"| `{op}` | {a} | {b} | {detail.replace('|', '/')[:140]} |")
+    behind = sorted(op for op, a, b, _ in rows if a == "fallback" and b == "sharded")
+    ahead = sum(1 for _, a, b, _ in rows if a == "sharded" and b != "sharded")
+    lines += [
+        "",
+        f"dtorch keeps {ahead} OpInfo(s) sharded that DTensor does not; DTensor keeps {len(behind)} sharded that dtorch",
+        "passes only by gathering" + (": " + ", ".join(f"`{op}`" for op in behind) if behind else "") + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ from torch_dtorch.errors import ShapeError
 from torch_dtorch.placement import Partial, Replicate, Shard
 from torch_dtorch.placement_rules import get_rule, intercept_list, rules_by_family
 from torch_dtorch.placement_rules.view import VIEW_OPS, reshape_dim_pairs
+from torch_dtorch.placement_rules.view_scatter import STRIDED_VIEW_OPS
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -21,9 +22,10 @@ def rand(*shape: int) -> torch.Tensor:
 
 
 def test_every_view_op_is_intercepted_and_aliases_input_0() -> None:
-    assert sorted(map(str, rules_by_family()["view"])) == sorted(map(str, VIEW_OPS))
+    views = [*VIEW_OPS, *STRIDED_VIEW_OPS]
+    assert sorted(map(str, rules_by_family()["view"])) == sorted(map(str, views))
     intercepted = set(intercept_list())
-    for op in VIEW_OPS:
+    for op in views:
         assert op in intercepted, op
         assert get_rule(op).view_of == 0, op
 

@@ -25,6 +25,7 @@ from torch_dtorch.executor.constructor import RedistributeSpec, redistribute_spe
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
+from torch_dtorch.placement_rules.rule import add_rule_listener
 
 __all__ = ["MISS", "FastOp", "fast_op", "layout_of", "stats"]
 
@@ -198,6 +199,17 @@ class FastOp:
 
 
 _FAST: dict[Any, FastOp | None] = {}
+
+
+def _rule_changed(op: Any) -> None:
+    """A rule registered, replaced or removed: the templates recorded with the old one must not shadow it (the
+    op's kernel holds its FastOp, so the templates are emptied rather than the entry dropped)."""
+    fast = _FAST.get(op)
+    if fast is not None:
+        fast.cache.clear()
+
+
+add_rule_listener(_rule_changed)
 
 
 def fast_op(op: Any) -> FastOp | None:

@@ -9,6 +9,7 @@ FAMILIES = (
     "matmul",
     "reduction",
     "view",
+    "view_scatter",
     "shape",
     "normalization",
     "attention",

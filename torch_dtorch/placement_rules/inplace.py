@@ -62,14 +62,20 @@ def _non_out_args(op: Any) -> list[tuple[str, str]]:
     return [(a.name, str(a.type)) for a in op._schema.arguments if not a.is_out]
 
 
+#: in-place overloads named differently from their functional op's overload
+_INPLACE_RENAMED = {"floor_divide.default": "Tensor"}
+
+
 def inplace_variant(op: Any) -> Any | None:
     """``aten.add.Tensor`` -> ``aten.add_.Tensor`` (when it exists and mutates ``self``)."""
     if isinstance(op, str) or op.namespace != "aten":
         return None
-    packet = getattr(torch.ops.aten, op._schema.name.split("::")[1] + "_", None)
-    if packet is None or op._overloadname not in packet.overloads():
+    name = op._schema.name.split("::")[1]
+    overload = _INPLACE_RENAMED.get(f"{name}.{op._overloadname}", op._overloadname)
+    packet = getattr(torch.ops.aten, name + "_", None)
+    if packet is None or overload not in packet.overloads():
         return None
-    variant = getattr(packet, op._overloadname)
+    variant = getattr(packet, overload)
     args = variant._schema.arguments
     if not args or args[0].alias_info is None or not args[0].alias_info.is_write:
         return None
@@ -112,7 +118,12 @@ def register_inplace_variants() -> list[Any]:
     """Register ``op_`` for every functional rule that has one; index ``out=`` overloads. Returns new ops."""
     added = []
     for op, rule in list(iter_rules()):
-        if isinstance(rule, InplaceRule) or rule.view_of is not None or _custom_kernel(rule):
+        if isinstance(rule, InplaceRule):
+            continue
+        # out= is the functional op (any kernel) followed by copy_ into ``out``: every functional rule serves it
+        for out in out_variants(op):
+            _OUT_TO_FUNCTIONAL.setdefault(out, op)
+        if rule.view_of is not None or _custom_kernel(rule):
             continue
         variant = inplace_variant(op)
         if variant is not None:
@@ -121,6 +132,4 @@ def register_inplace_variants() -> list[Any]:
             except NotImplementedError:
                 register_rule(variant, family=rule.family)(InplaceRule(rule, op))
                 added.append(variant)
-        for out in out_variants(op):
-            _OUT_TO_FUNCTIONAL.setdefault(out, op)
     return added

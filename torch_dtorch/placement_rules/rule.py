@@ -35,6 +35,7 @@ from torch_dtorch.placement_rules.signature import PlacementSignature, all_repli
 
 __all__ = [
     "FunctionRule",
+    "add_rule_listener",
     "OpPlan",
     "OpRule",
     "get_rule",
@@ -247,6 +248,23 @@ _RULES: dict[Any, OpRule] = {}
 _INTERCEPT: dict[Any, None] = {}
 
 
+#: called with the overload whenever its rule is registered or removed (caches above the registry subscribe)
+_RULE_LISTENERS: list[Callable[[Any], None]] = []
+
+
+def add_rule_listener(fn: Callable[[Any], None]) -> None:
+    """Call ``fn(op)`` whenever ``op``'s rule is registered or removed (to drop what a cache derived from it)."""
+    if fn not in _RULE_LISTENERS:
+        _RULE_LISTENERS.append(fn)
+
+
+def _rules_changed(ops: Iterable[Any]) -> None:
+    _PLAN_CACHE.clear()
+    for op in ops:
+        for fn in list(_RULE_LISTENERS):
+            fn(op)
+
+
 def _check_op(op: Any) -> None:
     if not isinstance(op, (torch._ops.OpOverload, str)):
         raise RuleRegistrationError(
@@ -303,12 +321,12 @@ def register_rule(
                     f"register_rule: {op} already has a rule ({_RULES[op]!r}); an overload has exactly one rule — "
                     "remove the other registration or use unregister_rule() first"
                 )
-        _PLAN_CACHE.clear()
         for op in ops:
             _RULES[op] = rule
             if intercept or _is_composite_implicit(op):
                 _INTERCEPT[op] = None
         rule.ops = tuple(rule.ops) + tuple(ops)
+        _rules_changed(ops)
         return target
 
     return deco
@@ -316,9 +334,10 @@ def register_rule(
 
 def unregister_rule(op: Any) -> OpRule:
     """Remove and return a rule (for tests and for users replacing a built-in rule)."""
-    _PLAN_CACHE.clear()
     _INTERCEPT.pop(op, None)
-    return _RULES.pop(op)
+    rule = _RULES.pop(op)
+    _rules_changed([op])
+    return rule
 
 
 def get_rule(op: Any) -> OpRule:
