@@ -174,6 +174,12 @@ def to_torch_async(t: torch.Tensor) -> TensorFuture:
     if operand.mesh is None:
         from torch_dtorch.device import binding
 
+        if binding.current_mesh() is None and rt.last_mesh is None:
+            value = binding.host_value(operand)  # never bound to a mesh: its value is on the controller
+            if value is not None:
+                fut = TensorFuture(f"unbound {tuple(value.shape)}")
+                fut.set_result(value.clone())
+                return fut
         operand = binding.bind(rt, operand, binding.fallback_mesh(rt, "to_torch"))
     return rt.executor.fetch(operand)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import torch_dtorch as dt
 from tests.eager.conftest import init_mesh, thread_only
 from torch_dtorch import Partial, Replicate, Shard
+from torch_dtorch.device.binding import NoMeshError
 from torch_dtorch.device.state import get_runtime
 from torch_dtorch.errors import AsStridedError, NoRuleError
 from torch_dtorch.runtime import kernel as kernel_mod
@@ -161,6 +162,29 @@ def test_factories_and_unbound_replicate_tensors() -> None:
     c = torch.tensor([1.0, 2.0]).to("dtorch")
     assert torch.equal((c * 3).full_tensor(), torch.tensor([3.0, 6.0]))
     assert torch.equal(c.cpu(), torch.tensor([1.0, 2.0]).cpu())  # .cpu() leaves the dtorch device
+
+
+def test_unbound_tensors_compute_on_the_controller_until_a_mesh_appears(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before any mesh is in sight (no ``with mesh:``, no op on a mesh yet — e.g. while dynamo traces a model whose
+    cache does ``torch.tensor([], device=x.device)``), ops on unbound tensors run on the controller's values and
+    stay unbound; the first consumer on a mesh binds them."""
+    from torch_dtorch.device.kernels import operand_of
+
+    mesh = init_mesh((2,))
+    monkeypatch.setattr(get_runtime(), "last_mesh", None)
+    e = torch.tensor([], device="dtorch")
+    f = torch.cat([e, torch.arange(3.0, device="dtorch")]) * 2
+    assert operand_of(f).mesh is None
+    assert torch.equal(f.cpu(), torch.tensor([0.0, 2.0, 4.0]))
+    x = dt.distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+    y = x + f
+    assert y.placements == (Shard(0),)
+    assert torch.equal(y.full_tensor(), torch.ones(4, 3) + torch.tensor([0.0, 2.0, 4.0]))
+    with pytest.raises(NoMeshError):  # in-place needs a mesh to write on
+        monkeypatch.setattr(get_runtime(), "last_mesh", None)
+        f.add_(1)
 
 
 def test_random_equals_torch_under_the_same_seed() -> None:

@@ -137,3 +137,20 @@ def test_pipeline_tp_llama_microbatches() -> None:
             model, ids, num_microbatches=2, mesh=stages.meshes[0], output=lambda o: o.last_hidden_state
         )
     torch.testing.assert_close(out.full_tensor(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_upstream_tp_plan_compiled_in_one_graph() -> None:
+    """The upstream plan, then ``torch.compile(backend="dtorch", fullgraph=True)``: the KV cache's
+    ``torch.tensor([], device=...)`` (made before any mesh is in sight) stays a controller value while dynamo traces."""
+    cfg = config()
+    ids = torch.randint(0, 64, (4, 7), generator=torch.Generator().manual_seed(3))
+    ref, want = reference(cfg, ids)
+    mesh = init_mesh((2,), mesh_dim_names=("tp",))
+    model = transformers.LlamaModel(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    parallelize_module(model, mesh, UPSTREAM_PLAN)
+    compiled = torch.compile(model, backend="dtorch", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(2):  # the second call replays the shipped programs
+            out = compiled(dt.distribute_tensor(ids, mesh, [Replicate()])).last_hidden_state
+            torch.testing.assert_close(out.full_tensor(), want, rtol=1e-4, atol=1e-4)

@@ -16,6 +16,7 @@ CPU = torch.device("cpu")
 
 SAMPLES: dict[object, list[Sample]] = {
     aten.clone.default: [Sample((X,)), Sample((X3,), {"memory_format": torch.contiguous_format})],
+    aten.lift_fresh_copy.default: [Sample((X,))],
     aten._to_copy.default: [
         Sample((X,), {"dtype": torch.float64}),
         Sample((X,), {"dtype": torch.float16}, atol=1e-2, rtol=1e-2),

@@ -22,7 +22,7 @@ from torch_dtorch.placement import Replicate
 if TYPE_CHECKING:
     from torch_dtorch.device.state import Runtime
 
-__all__ = ["Deferred", "NoMeshError", "bind", "defer_factory", "defer_upload", "fallback_mesh"]
+__all__ = ["Deferred", "NoMeshError", "bind", "defer_factory", "defer_upload", "fallback_mesh", "host_value"]
 
 
 class NoMeshError(DTorchError, RuntimeError):
@@ -57,6 +57,16 @@ def defer_factory(
 def defer_upload(rt: Runtime, value: torch.Tensor) -> Operand:
     value = value.detach()
     return _unbound(rt, TensorMeta.of(value), Deferred("upload", value=value))
+
+
+def host_value(x: Operand) -> torch.Tensor | None:
+    """The value of an unbound operand computed on the controller's CPU (``None``: not an unbound operand)."""
+    deferred = _DEFERRED.get(x.id)
+    if deferred is None:
+        return None
+    if deferred.kind == "upload":
+        return deferred.value
+    return deferred.op(*deferred.args, **{**deferred.kwargs, "device": torch.device("cpu")})
 
 
 def forget(operand: Operand) -> None:

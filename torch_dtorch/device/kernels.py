@@ -145,6 +145,12 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 return wrap(rt, binding.defer_factory(rt, op, args, kwargs, metas[0]))
         mesh = binding.fallback_mesh(rt, str(op))
     else:
+        if binding.current_mesh() is None and rt.last_mesh is None and get_rule(op).output_is_input is None:
+            # only unbound (small, controller-made) inputs and no mesh in sight yet — e.g. a cache's
+            # ``torch.tensor([], device=x.device)`` while dynamo traces: compute it here, still unbound
+            host = _on_host(rt, op, args, kwargs)
+            if host is not None:
+                return host
         mesh = binding.fallback_mesh(rt, str(op))
     assert mesh is not None
     if len(bound) != len(operands):
@@ -162,6 +168,24 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return target
     view = rule.view_of is not None and not getattr(original_args[0], "is_inference", lambda: True)()
     return map_only(Operand, lambda o: wrap(rt, o, view=view), out)
+
+
+def _on_host(rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op`` on the controller's CPU values of unbound operands; its tensors unbound again (``None``: some input
+    has no host value)."""
+    missing = False
+
+    def value(x: Operand) -> Any:
+        nonlocal missing
+        v = binding.host_value(x)
+        missing = missing or v is None
+        return v
+
+    host_args, host_kwargs = map_only(Operand, value, (args, kwargs))
+    if missing:
+        return None
+    out = op(*host_args, **host_kwargs)
+    return map_only(torch.Tensor, lambda t: wrap(rt, binding.defer_upload(rt, t)), out)
 
 
 def check_as_strided(op: Any, args: tuple[Any, ...]) -> None:

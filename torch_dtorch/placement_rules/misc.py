@@ -113,7 +113,7 @@ class CopyRule(OpRule):
         return call.op(*args, **kwargs)
 
 
-@register_rule(aten.clone.default, aten._to_copy.default, family="misc")
+@register_rule(aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default, family="misc")
 class _Copy(CopyRule):
     """A fresh copy (optionally cast)."""
 
