@@ -28,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import torch_dtorch as dt
+from tests.opinfo_samples import quick_sample_inputs
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import NoRuleError
 from torch_dtorch.executor.constructor import REDISTRIBUTE
@@ -118,7 +119,7 @@ def samples_for(info: Any, cap: int) -> list[Any]:
     """The first ``cap`` float32 samples (drawn deterministically)."""
     torch.manual_seed(0)
     out = []
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception), quick_sample_inputs():
         for s in info.sample_inputs("cpu", torch.float32, requires_grad=False):
             out.append(s)
             if len(out) >= cap:

@@ -60,8 +60,15 @@ class _Capture(TorchDispatchMode):
 def _capture() -> dict[Any, list[Sample]]:
     from torch.testing._internal.common_methods_invocations import op_db
 
+    from tests.opinfo_samples import quick_sample_inputs
+
     wanted = _wanted()
     out: dict[Any, list[Sample]] = {}
+    with quick_sample_inputs():
+        return _capture_all(op_db, wanted, out)
+
+
+def _capture_all(op_db: Any, wanted: Any, out: dict[Any, list[Sample]]) -> dict[Any, list[Sample]]:
     for info in op_db:
         if torch.float32 not in info.supported_dtypes("cpu"):
             continue
