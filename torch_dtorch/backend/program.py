@@ -286,33 +286,23 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
                 outs = [_zeros(m, dev) for m in step.out_meta]
             for s, v in zip(step.out_slots, outs):
                 vals[s] = v
-        elif type(step) is KernelStep:
+        else:  # a collective or a kernel that communicates: this rank takes part even after an error
+            assert isinstance(step, (CollectiveStep, KernelStep))
             if err is not None and board is not None and key is not None and not posted:
-                board.post(key, err)
+                board.post(key, err)  # before the step: receivers are ordered after it
                 posted = True
-            try:  # runs on zeros after an error too: the peers wait for this rank's messages
-                y = _comm_kernel(worker, step, vals)
+            kernel = type(step) is KernelStep
+            try:  # on zeros after an error: the peers wait for this rank's messages
+                if isinstance(step, KernelStep):
+                    y = _comm_kernel(worker, step, vals)
+                else:
+                    y = _collective(worker, step, vals[step.in_slot] if step.in_slot is not None else None)
             except Exception as e:  # noqa: BLE001
                 if err is None:
-                    err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site,
-                                      detail=f"in {step.note}")  # fmt: skip
+                    detail = f"in {step.note}" if kernel else f"plan: {step.note}"
+                    err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site, detail=detail)
                     err.__cause__ = e
-                y = _zeros_like_meta(step.out_meta, dev)
-            vals[step.out_slot] = y
-        else:
-            assert isinstance(step, CollectiveStep)
-            if err is not None and board is not None and key is not None and not posted:
-                board.post(key, err)  # before the collective: receivers are ordered after it
-                posted = True
-            x = vals[step.in_slot] if step.in_slot is not None else None
-            try:
-                y = _collective(worker, step, x)
-            except Exception as e:  # noqa: BLE001
-                if err is None:
-                    err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site,
-                                      detail=f"plan: {step.note}")  # fmt: skip
-                    err.__cause__ = e
-                y = _zeros(step.out_meta, dev)
+                y = _zeros_like_meta(step.out_meta, dev) if kernel else _zeros(step.out_meta, dev)
             vals[step.out_slot] = y
         for r in step.release:
             vals[r] = None
