@@ -12,16 +12,11 @@ EXPECTED_FAILURES: dict[str, str] = {
     "as_strided.partial_views": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
     "as_strided_copy": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
     "as_strided_scatter": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
-    "bernoulli": "no rule yet: aten.bernoulli_.Tensor (a random op: a rule must replay torch's stream, see device/rng.py)",
-    "cauchy": "no rule yet: aten.cauchy_.default (a random op: a rule must replay torch's stream, see device/rng.py)",
-    "exponential": "no rule yet: aten.exponential_.default (a random op: a rule must replay torch's stream, see device/rng.py)",
-    "geometric": "no rule yet: aten.geometric_.default (a random op: a rule must replay torch's stream, see device/rng.py)",
     "jiterator_2inputs_2outputs": "CUDA-only OpInfo (jiterator): no CPU sample runs",
     "jiterator_4inputs_with_extra_args": "CUDA-only OpInfo (jiterator): no CPU sample runs",
     "jiterator_binary": "CUDA-only OpInfo (jiterator): no CPU sample runs",
     "jiterator_binary_return_by_ref": "CUDA-only OpInfo (jiterator): no CPU sample runs",
     "jiterator_unary": "CUDA-only OpInfo (jiterator): no CPU sample runs",
-    "log_normal": "no rule yet: aten.log_normal_.default (a random op: a rule must replay torch's stream, see device/rng.py)",
     "max_pool2d_with_indices_backward": "no rule yet: aten.max_pool2d_with_indices_backward.grad_input",
     "multinomial": "no rule yet: aten.multinomial.default (a random op: a rule must replay torch's stream, see device/rng.py)",
     "nanquantile": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
@@ -33,9 +28,7 @@ EXPECTED_FAILURES: dict[str, str] = {
     "nn.functional.smooth_l1_loss": "uses resize_ (out= of a different shape); dtorch tensors cannot be resized",
     "nn.functional.soft_margin_loss": "out= tensor of another shape: dtorch tensors cannot be resized",
     "normal": "no rule yet: aten.normal.Tensor_Tensor (a random op: a rule must replay torch's stream, see device/rng.py)",
-    "normal.in_place": "no rule yet: aten.normal_.default (a random op: a rule must replay torch's stream, see device/rng.py)",
     "quantile": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
-    "randint_like": "no rule yet: aten.random_.from (a random op: a rule must replay torch's stream, see device/rng.py)",
     "resize_": "uses resize_ (out= of a different shape); dtorch tensors cannot be resized",
     "resize_as_": "uses resize_ (out= of a different shape); dtorch tensors cannot be resized",
     "sparse.mm.reduce": "sparse layouts are not supported by dtorch tensors",
@@ -43,7 +36,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "stft": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
     "tensor_split": "error on 2x2/3/1: RuntimeError: tensor_split expected tensor_indices_or_sections to be on cpu, but it's on dtorch:0",
     "to_sparse": "sparse layouts are not supported by dtorch tensors",
-    "uniform": "no rule yet: aten.uniform_.default (a random op: a rule must replay torch's stream, see device/rng.py)",
 }
 
 _WORKER_RNG = (
@@ -51,47 +43,71 @@ _WORKER_RNG = (
     "the state when the op was recorded: OpInfo's freeze_rng_state (or a manual_seed / set_rng_state) between "
     "recording and running changes the mask (placement_rules/creation.py draw_global; to fix: draw at record time)"
 )
-_BERNOULLI = (
-    "no rule yet: aten.bernoulli_.float (a random op: a rule must replay torch's stream, see device/rng.py)"
-)
 
 MORE_SAMPLES_FAILURES: dict[str, str] = {
     "addr": "WRONG (1 ulp): sample 2 on the 1-device mesh is not bit-identical (relative 1.3e-6); to be investigated",
-    "nn.functional.alpha_dropout": _BERNOULLI,
     "nn.functional.dropout": _WORKER_RNG,
-    "nn.functional.dropout2d": _BERNOULLI,
-    "nn.functional.dropout3d": _BERNOULLI,
-    "nn.functional.feature_alpha_dropout.with_train": _BERNOULLI,
     "nn.functional.multi_head_attention_forward": _WORKER_RNG,
     "nn.functional.scaled_dot_product_attention": "dropout_p > 0 is refused with a typed NotImplementedError",
     "normal.number_mean": "no rule yet: aten.normal.Tensor_float (a random op)",
 }
 
-_PINNED_SELF = (
-    "a sharded self whose placement no signature keeps (the op crosses that dim): self is pinned, so a typed "
-    "PlacementMismatchError; to fix: the device runs the functional op and copy_ into self"
-)
 _INPLACE_VIEW = (
-    "in-place view op (changes self's sizes/strides): dtorch tensors cannot be restrided in place, the local "
-    "as_strided_ fails on the workers"
+    "ERROR: in-place view op (changes self's sizes/strides): dtorch tensors cannot be restrided in place, torch's "
+    "as_strided_ on the storage-less dtorch tensor raises a setStorage RuntimeError"
 )
+_RESIZE = "NO RULE: aten.resize_ (dtorch tensors cannot be resized: their shape is the global one)"
+_INTERNAL_OUT = (
+    "ERROR: torch's composite out= passes an internal empty (0,) buffer (info / indices / scratch) to the out= "
+    "overload, which must be resized; dtorch tensors cannot be resized: a typed NotImplementedError"
+)
+_RANDOM_NO_RULE = "NO RULE: a random op (a rule must replay torch's stream, see device/rng.py)"
 
 #: in-place variants (``test_variants.py``) that fail on the 3-device mesh with sharded inputs: OpInfo key -> reason
 INPLACE_FAILURES: dict[str, str] = {
-    "cumprod": _PINNED_SELF,
-    "cumsum": _PINNED_SELF,
-    "index_put": _PINNED_SELF,
-    "masked_scatter": _PINNED_SELF,
-    "renorm": _PINNED_SELF,
-    "scatter": _PINNED_SELF,
-    "scatter_add": _PINNED_SELF,
-    "scatter_reduce.sum": _PINNED_SELF,
+    "as_strided": _INPLACE_VIEW,
+    "as_strided.partial_views": _INPLACE_VIEW,
+    "nn.functional.dropout3d": (
+        "ERROR: dropout3d(inplace=True) reaches as_strided_ on the storage-less dtorch tensor (a setStorage "
+        "RuntimeError)"
+    ),
+    "nn.functional.rrelu": "NO RULE: aten.rrelu_with_noise_ (a random op that also writes its noise argument)",
+    "resize_": _RESIZE,
+    "resize_as_": _RESIZE,
+    "squeeze.multiple": _INPLACE_VIEW,
     "squeeze": _INPLACE_VIEW,
     "t": _INPLACE_VIEW,
     "transpose": _INPLACE_VIEW,
-    "tril": _PINNED_SELF,
     "unsqueeze": _INPLACE_VIEW,
 }
 
 #: ``out=`` calls (``test_variants.py``) that fail on the 3-device mesh with sharded inputs: OpInfo key -> reason
-OUT_FAILURES: dict[str, str] = {}
+OUT_FAILURES: dict[str, str] = {
+    "as_strided_copy": "ERROR: decomposes to as_strided on a sharded operand: a typed AsStridedError",
+    "kron": (
+        "ERROR: torch's kron out= writes through a 4-d view of out, which a sharded out cannot keep (a redistributed "
+        "copy): a typed NotImplementedError"
+    ),
+    "linalg.cholesky": _INTERNAL_OUT,
+    "linalg.det": _INTERNAL_OUT,
+    "linalg.inv": _INTERNAL_OUT,
+    "linalg.ldl_factor": _INTERNAL_OUT,
+    "linalg.lu_factor": _INTERNAL_OUT,
+    "linalg.slogdet": _INTERNAL_OUT,
+    "linalg.solve": _INTERNAL_OUT,
+    "linalg.solve_ex": _INTERNAL_OUT,
+    "linspace.tensor_overload": "NO RULE: aten.linspace.out with tensor start/end (no rule for aten.linspace.default)",
+    "logspace.tensor_overload": "NO RULE: aten.logspace.out with tensor start/end (no rule for aten.logspace.default)",
+    "lu": _RESIZE,
+    "msort": _INTERNAL_OUT,
+    "multinomial": _RANDOM_NO_RULE,
+    "nanquantile": (
+        "ERROR: quantile's out= reaches as_strided on the storage-less dtorch out tensor (a setStorage RuntimeError)"
+    ),
+    "nn.functional.logsigmoid": _INTERNAL_OUT,
+    "normal": _RANDOM_NO_RULE,
+    "quantile": (
+        "ERROR: quantile's out= reaches as_strided on the storage-less dtorch out tensor (a setStorage RuntimeError)"
+    ),
+    "sparse.sampled_addmm": "NO RULE: sparse layouts are not supported by dtorch tensors",
+}

@@ -12,7 +12,7 @@ from torch_dtorch._tree import map_only
 from torch_dtorch.device import binding, state
 from torch_dtorch.device.state import Runtime, get_runtime
 from torch_dtorch.device.tensors import TABLE, is_dtorch
-from torch_dtorch.errors import DTorchError
+from torch_dtorch.errors import DTorchError, PlacementMismatchError
 from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.placement import Replicate, is_partial, is_replicate
 from torch_dtorch.placement_rules import OpCall, get_rule
@@ -127,12 +127,53 @@ def _random(rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     return wrap(rt, operand)
 
 
+#: in-place random fills, drawn as :data:`RANDOM_OPS` are: on the controller from torch's own generator (in
+#: ``self``'s global strides, so the values and the RNG stream equal single-device torch's), then written into
+#: ``self`` in its placements by an in-place ``copy_`` (views of ``self`` see the write)
+RANDOM_INPLACE_OPS = {
+    torch.ops.aten.uniform_.default,
+    torch.ops.aten.normal_.default,
+    torch.ops.aten.cauchy_.default,
+    torch.ops.aten.exponential_.default,
+    torch.ops.aten.geometric_.default,
+    torch.ops.aten.log_normal_.default,
+    torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.bernoulli_.Tensor,
+    torch.ops.aten.random_.default,
+    getattr(torch.ops.aten.random_, "from"),
+    torch.ops.aten.random_.to,
+}
+
+
+def random_inplace(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The dtorch kernel of the :data:`RANDOM_INPLACE_OPS`."""
+    from torch_dtorch.api import to_torch
+
+    rt = get_runtime()
+    x = TABLE.lookup(self, rt.generation)
+    dev = controller_device(rt)
+    value = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=dev)
+    host_args, host_kwargs = map_only(
+        torch.Tensor, lambda t: to_torch(t).to(dev) if is_dtorch(t) else t, (args, kwargs)
+    )
+    op(value, *host_args, **host_kwargs)
+    if x.mesh is None:
+        src = wrap(rt, binding.defer_upload(rt, value))
+    else:
+        placements = [p if not is_partial(p) else Replicate() for p in x.placements]
+        operand = rt.executor.input(tuple(value.shape), x.mesh, placements, dtype=value.dtype)
+        rt.executor.upload(operand, value.contiguous())
+        src = wrap(rt, operand)
+    dispatch(torch.ops.aten.copy_.default, (self, src), {})
+    return self
+
+
 def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Record ``op`` on dtorch tensors; returns dtorch tensors at once (the workers run it asynchronously)."""
     rt = get_runtime()
     if op in RANDOM_OPS:
         return _random(rt, op, args, kwargs)
-    original_args = args
+    original_args, original_kwargs = args, kwargs
     args, kwargs, operands = _to_operands(rt, op, args, kwargs)
     bound = [x for x in operands if x.mesh is not None]
     if bound:
@@ -156,7 +197,13 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if len(bound) != len(operands):
         args, kwargs = map_only(Operand, lambda x: binding.bind(rt, x, mesh), (args, kwargs))
     rt.last_mesh = mesh
-    out = rt.executor.call(op, *args, device_mesh=None if operands else mesh, **kwargs)
+    try:
+        out = rt.executor.call(op, *args, device_mesh=None if operands else mesh, **kwargs)
+    except PlacementMismatchError:
+        functional = _inplace_fallback_of(op, operands)
+        if functional is None:
+            raise
+        return _inplace_via_copy(op, functional, original_args, original_kwargs)
     rule = get_rule(op)
     written = rule.output_is_input
     if written is not None:  # in-place: the caller's tensor is the result
@@ -168,6 +215,33 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return target
     view = rule.view_of is not None and not getattr(original_args[0], "is_inference", lambda: True)()
     return map_only(Operand, lambda o: wrap(rt, o, view=view), out)
+
+
+def _inplace_fallback_of(op: Any, operands: list[Operand]) -> Any | None:
+    """The functional op to run instead of the in-place ``op`` whose bound ``self`` is placed where no signature of
+    ``op`` keeps it (the op works across ``self``'s sharded dim); ``None``: no such fallback."""
+    from torch_dtorch.placement_rules.inplace import InplaceRule
+
+    rule = get_rule(op)
+    if not isinstance(rule, InplaceRule) or not operands or operands[0].mesh is None:
+        return None
+    return rule.functional_op
+
+
+def _inplace_via_copy(
+    op: Any, functional: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.Tensor:
+    """``op`` as the functional op (free to redistribute), then ``self.copy_(result)``: the result is moved to
+    ``self``'s placements and written into ``self``'s shards in place, so views of ``self`` (and the base ``self``
+    views) see the write as in torch. The in-place op's own checks (broadcast into ``self``, dtype casting) already
+    ran when it was planned."""
+    self = args[0]
+    log.debug(
+        "%s: self %s is kept by no signature; functional %s, then copy_ into self", op, self.shape, functional
+    )
+    result = dispatch(functional, args, kwargs)
+    dispatch(torch.ops.aten.copy_.default, (self, result), {})
+    return self
 
 
 def _on_host(rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -22,6 +22,7 @@ from torch_dtorch.device.rng import install_rng_functions
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
 from torch_dtorch.placement_rules import intercept_list, registered_ops
 from torch_dtorch.placement_rules.indexing import SYNC_OPS
+from torch_dtorch.placement_rules.inplace import functional_overload
 
 __all__ = ["ensure_registered", "register_kernels", "register_rule", "registered_kernels"]
 
@@ -244,6 +245,10 @@ def _sync_kernel(op: Any, inner: Any):  # noqa: ANN202
     return kernel
 
 
+#: per thread, the ``out=`` overloads whose fallback (see :func:`_fallback`) is running
+_OUT_FALLBACK = threading.local()
+
+
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Every overload that reaches the dtorch key without a kernel: run it if a rule was registered after the
     device was set up (``placement_rules.register_rule`` at run time), else a typed error naming it and the fix."""
@@ -253,7 +258,19 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         get_rule(op)
     except NoRuleError:
-        raise NoRuleError(op, detail="(it reached the dtorch device, which has no kernel for it)") from None
+        functional = functional_overload(op)
+        active: set[Any] = _OUT_FALLBACK.__dict__.setdefault("ops", set())
+        if functional is None or op in active:
+            # (re-entered: the functional op is a structured kernel that calls ``op`` itself, e.g. gcd -> gcd.out)
+            raise NoRuleError(
+                op, detail="(it reached the dtorch device, which has no kernel for it)"
+            ) from None
+        # ``op.out`` of a functional op served otherwise: a sync kernel, a decomposition, a special kernel
+        active.add(op)
+        try:
+            return _out_kernel(op, functional, via_dispatcher=True)(*args, **kwargs)
+        finally:
+            active.discard(op)
     return kernels.dispatch(op, args, kwargs)
 
 
@@ -302,24 +319,44 @@ _SPECIAL_KERNELS = {
 }
 
 
-def _out_kernel(out_op: Any, functional: Any):  # noqa: ANN202
+def _out_kernel(out_op: Any, functional: Any, *, via_dispatcher: bool = False):  # noqa: ANN202
     """``op.out(..., out=t)``: the functional op, then an in-place ``copy_`` into each ``out`` tensor (so views of
-    ``out`` see the write)."""
+    ``out`` see the write). ``via_dispatcher``: call the functional op through torch's dispatcher (it has a kernel
+    of its own — a sync kernel, a decomposition — rather than a rule)."""
     out_names = [a.name for a in out_op._schema.arguments if a.is_out]
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         outs = [kwargs.pop(n) for n in out_names]
-        result = kernels.dispatch(functional, args, kwargs)
+        if via_dispatcher:
+            result = functional(*args, **kwargs)
+        else:
+            result = kernels.dispatch(functional, args, kwargs)
         results = list(result) if isinstance(result, (list, tuple)) else [result]
+        if len(outs) == 1 and isinstance(outs[0], (list, tuple)):  # ``Tensor(a!)[] out``: returns nothing
+            for o, r in zip(outs[0], results, strict=True):
+                _copy_out(out_op, o, r)
+            return None
         for o, r in zip(outs, results, strict=True):
-            if tuple(o.shape) != tuple(r.shape):
-                raise NotImplementedError(
-                    f"{out_op}: out= tensor of shape {tuple(o.shape)} would be resized to {tuple(r.shape)}; "
-                    "dtorch tensors cannot be resized — pass an out tensor of the result's shape"
-                )
-            kernels.dispatch(aten.copy_.default, (o, r), {})
+            _copy_out(out_op, o, r)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    return kernel
+
+
+def _copy_out(out_op: Any, o: torch.Tensor, r: torch.Tensor) -> None:
+    if tuple(o.shape) != tuple(r.shape):
+        raise NotImplementedError(
+            f"{out_op}: out= tensor of shape {tuple(o.shape)} would be resized to {tuple(r.shape)}; "
+            "dtorch tensors cannot be resized — pass an out tensor of the result's shape"
+        )
+    kernels.dispatch(aten.copy_.default, (o, r), {})
+
+
+def _random_inplace(op: Any):  # noqa: ANN202
+    def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return kernels.random_inplace(op, self, *args, **kwargs)
+
+    kernel.__name__ = f"dtorch_random_{op}"
     return kernel
 
 
@@ -369,6 +406,10 @@ def ensure_registered() -> None:
                 continue
             lib.impl(_schema_name(out_op), _out_kernel(out_op, functional), "PrivateUse1")
             _KERNELS[out_op] = "out"
+        for op in kernels.RANDOM_INPLACE_OPS:
+            if op not in _KERNELS:
+                lib.impl(_schema_name(op), _random_inplace(op), "PrivateUse1")
+                _KERNELS[op] = "random"
         for op, fn in _SPECIAL_KERNELS.items():
             lib.impl(_schema_name(op), fn, "PrivateUse1")
             _KERNELS[op] = "special"

@@ -20,7 +20,14 @@ from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.rule import FunctionRule, OpRule, get_rule, iter_rules, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature
 
-__all__ = ["InplaceRule", "functional_of_out", "inplace_variant", "out_variants", "register_inplace_variants"]
+__all__ = [
+    "InplaceRule",
+    "functional_of_out",
+    "functional_overload",
+    "inplace_variant",
+    "out_variants",
+    "register_inplace_variants",
+]
 
 
 class InplaceRule(OpRule):
@@ -101,6 +108,22 @@ def out_variants(op: Any) -> list[Any]:
 
 
 _OUT_TO_FUNCTIONAL: dict[Any, Any] = {}
+
+
+def functional_overload(out_op: Any) -> Any | None:
+    """The overload of ``out_op``'s packet without ``out=`` whose other arguments equal ``out_op``'s (``None``: not
+    an ``out=`` overload, or no such functional overload)."""
+    if isinstance(out_op, str) or not hasattr(out_op, "_schema"):
+        return None
+    if not any(a.is_out for a in out_op._schema.arguments):
+        return None
+    packet = getattr(getattr(torch.ops, out_op.namespace), out_op._schema.name.split("::")[1])
+    want = _non_out_args(out_op)
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        if not any(a.is_out for a in cand._schema.arguments) and _non_out_args(cand) == want:
+            return cand
+    return None
 
 
 def _custom_kernel(rule: OpRule) -> bool:
