@@ -38,8 +38,10 @@ fmt: venv
 	$(VENV)/bin/ruff format .
 
 # pytest exits 5 when it collects no test: that is a failure here, never a silent pass.
+# TEST_WORKERS pytest-xdist processes share the suite (2 = the CI machine's cores; 0 runs it in this process).
+TEST_WORKERS ?= 2
 test: venv lint
-	@rc=0; $(PY) -m pytest -q || rc=$$?; \
+	@rc=0; $(PY) -m pytest -q -n $(TEST_WORKERS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests -- failing" >&2; exit 1; fi; \
 	exit $$rc
 
