@@ -77,3 +77,8 @@ class ShapeError(DTorchError, ValueError):
 
 class AsStridedError(DTorchError, RuntimeError):
     """``as_strided`` on a sharded or partial dtorch tensor (it addresses memory the tensor does not have whole)."""
+
+
+class RestrideError(DTorchError, NotImplementedError):
+    """An in-place op that changes a dtorch tensor's shape or strides (``t_``, ``transpose_``, ``squeeze_``, ...):
+    the controller tensor has no storage to restride."""

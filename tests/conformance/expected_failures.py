@@ -53,8 +53,8 @@ MORE_SAMPLES_FAILURES: dict[str, str] = {
 }
 
 _INPLACE_VIEW = (
-    "ERROR: in-place view op (changes self's sizes/strides): dtorch tensors cannot be restrided in place, torch's "
-    "as_strided_ on the storage-less dtorch tensor raises a setStorage RuntimeError"
+    "ERROR: in-place view op (changes self's sizes/strides): dtorch tensors cannot be restrided in place "
+    "(a typed RestrideError naming the out-of-place form)"
 )
 _RESIZE = "NO RULE: aten.resize_ (dtorch tensors cannot be resized: their shape is the global one)"
 _INTERNAL_OUT = (
@@ -68,8 +68,8 @@ INPLACE_FAILURES: dict[str, str] = {
     "as_strided": _INPLACE_VIEW,
     "as_strided.partial_views": _INPLACE_VIEW,
     "nn.functional.dropout3d": (
-        "ERROR: dropout3d(inplace=True) reaches as_strided_ on the storage-less dtorch tensor (a setStorage "
-        "RuntimeError)"
+        "ERROR: dropout3d(inplace=True) on an unbatched input restrides self in place (unsqueeze_): a typed "
+        "RestrideError"
     ),
     "nn.functional.rrelu": "NO RULE: aten.rrelu_with_noise_ (a random op that also writes its noise argument)",
     "resize_": _RESIZE,

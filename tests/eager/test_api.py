@@ -307,3 +307,22 @@ def test_copy_from_a_plain_tensor_and_load_state_dict() -> None:
     with torch.no_grad():
         got = model(dt.distribute_tensor(inp, mesh, [Replicate()])).full_tensor()
         torch.testing.assert_close(got, plain(inp))
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("t_", lambda x: x.t_()),
+        ("transpose_", lambda x: x.transpose_(0, 1)),
+        ("squeeze_", lambda x: x[:1].squeeze_(0)),
+        ("unsqueeze_", lambda x: x.unsqueeze_(0)),
+        ("as_strided_", lambda x: x.as_strided_((2, 2), (1, 2))),
+    ],
+)
+def test_inplace_restride_is_a_typed_error(name: str, fn: object) -> None:
+    from torch_dtorch.errors import RestrideError
+
+    x = dt.distribute_tensor(torch.randn(4, 3), init_mesh((2,)), [Shard(0)])
+    with pytest.raises(RestrideError, match=rf"aten\.{name}: .*x = x\.{name.rstrip('_')}"):
+        fn(x)  # type: ignore[operator]
+    assert x.shape == (4, 3) and torch.equal(x.full_tensor(), x.full_tensor())

@@ -209,6 +209,37 @@ def _as_strided(self: torch.Tensor, size: Any, stride: Any, storage_offset: Any 
     return kernels.dispatch(aten.as_strided.default, (self, size, stride, storage_offset), {})
 
 
+_COMPOSITE_EXPLICIT = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _restride_inplace(op: Any) -> Callable[..., Any]:
+    """In-place ops that change ``self``'s shape or strides: a typed error naming the out-of-place form (torch's own
+    kernels would fail deep inside with a storage-bounds ``RuntimeError`` on the storage-less controller tensor)."""
+    name = op._schema.name.split("::", 1)[1]
+
+    def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from torch_dtorch.errors import RestrideError
+
+        if (
+            self.numel() == 0
+        ):  # nothing to address (torch's out= code restrides empty scratch tensors): torch's own
+            return op.redispatch(_COMPOSITE_EXPLICIT, self, *args, **kwargs)
+        raise RestrideError(
+            f"aten.{name}: in-place ops that change a dtorch tensor's shape or strides are not supported (self: "
+            f"{tuple(self.shape)}). Fix: use the out-of-place view and rebind the name, e.g. "
+            f"`x = x.{name.rstrip('_')}(...)`"
+        )
+
+    return kernel
+
+
+#: in-place ops that restride ``self`` (see :func:`_restride_inplace`)
+_RESTRIDE_INPLACE = (
+    aten.t_.default, aten.transpose_.default, aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims,
+    aten.unsqueeze_.default, aten.as_strided_.default, aten.swapdims_.default, aten.swapaxes_.default,
+)  # fmt: skip
+
+
 #: calls that ran on the controller because their output shape depends on the data (tests read this)
 sync_stats = {"calls": 0}
 
@@ -413,6 +444,10 @@ def ensure_registered() -> None:
         for op, fn in _SPECIAL_KERNELS.items():
             lib.impl(_schema_name(op), fn, "PrivateUse1")
             _KERNELS[op] = "special"
+        for op in _RESTRIDE_INPLACE:
+            if op not in _KERNELS:
+                lib.impl(_schema_name(op), _restride_inplace(op), "PrivateUse1")
+                _KERNELS[op] = "refused"
         for op in intercept_list():
             if not isinstance(op, str) and has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd"):
                 lib.impl(_schema_name(op), _autograd(op), "AutogradPrivateUse1")
