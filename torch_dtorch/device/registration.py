@@ -182,6 +182,16 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     return dst
 
 
+def _impl_generic(lib: torch.library.Library, op: Any) -> None:
+    """Register ``op``'s generic dtorch kernel (``copy_`` also uploads plain sources)."""
+    generic = _generic(op)
+    if op is aten.copy_.default:
+        generic = _copy_inplace(generic)
+    lib.impl(_schema_name(op), generic, "PrivateUse1")
+    _KERNELS[op] = "generic"
+    _BACKEND_KERNELS[op] = generic
+
+
 def _copy_inplace(generic: Callable[..., Any]) -> Callable[..., Any]:
     """``dtorch_t.copy_(cpu_or_cuda_t)`` (``load_state_dict`` into a distributed model) uploads ``src`` in
     ``dtorch_t``'s placements, as ``cuda_t.copy_(cpu_t)`` copies across devices in torch."""
@@ -320,12 +330,7 @@ def register_kernels(ops: Any) -> list[Any]:
             lib = _NAMESPACE_LIBS.get(op.namespace)
             if lib is None:
                 lib = _NAMESPACE_LIBS[op.namespace] = torch.library.Library(op.namespace, "IMPL")
-            generic = _generic(op)
-            if op is aten.copy_.default:
-                generic = _copy_inplace(generic)
-            lib.impl(_schema_name(op), generic, "PrivateUse1")
-            _KERNELS[op] = "generic"
-            _BACKEND_KERNELS[op] = generic
+            _impl_generic(lib, op)
             added.append(op)
     return added
 
@@ -424,12 +429,7 @@ def ensure_registered() -> None:
                 lib.impl(_schema_name(op), _sync_kernel(op, inner), "PrivateUse1")
                 _KERNELS[op] = "sync"
                 continue
-            generic = _generic(op)
-            if op is aten.copy_.default:
-                generic = _copy_inplace(generic)
-            lib.impl(_schema_name(op), generic, "PrivateUse1")
-            _KERNELS[op] = "generic"
-            _BACKEND_KERNELS[op] = generic
+            _impl_generic(lib, op)
         from torch_dtorch.placement_rules.inplace import _OUT_TO_FUNCTIONAL
 
         for out_op, functional in _OUT_TO_FUNCTIONAL.items():
