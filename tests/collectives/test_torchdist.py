@@ -70,6 +70,35 @@ def test_gloo_group_equals_in_memory_group() -> None:
             assert torch.equal(a, b), (d, i, a, b)
 
 
+def test_gloo_group_moves_complex_tensors() -> None:
+    """Gloo has no complex types: complex (and conjugate-view) tensors travel as (real, imag) pairs, with negative
+    dims meaning the complex tensor's dims."""
+    store = dist.HashStore()
+    prefix = f"t{next(_PREFIX)}"
+    world = InMemoryWorld(DEVICES, timeout_s=20)
+
+    def ops(g, d: int) -> list[torch.Tensor]:
+        x = torch.complex(torch.arange(6.0).reshape(2, 3), torch.full((2, 3), float(d + 1)))
+        return [
+            g.all_gather(x, -1),
+            g.all_gather(x.conj(), 0),
+            g.all_reduce(x, "sum"),
+            g.reduce_scatter(x, "sum", -1),
+            g.all_to_all(x, 0, 1),
+            g.broadcast(x.conj() if g.rank == 0 else None, 0),
+        ]
+
+    def body(d: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        g = TorchDistGroup.create(dist.PrefixStore(prefix, store), DEVICES, d, timeout_s=20)
+        return ops(g, d), ops(world.group(DEVICES).handle(d), d)
+
+    out = run_ranks(DEVICES, body).check()
+    for d in DEVICES:
+        for i, (a, b) in enumerate(zip(*out[d], strict=True)):
+            assert a.dtype == b.dtype and a.shape == b.shape, (d, i, a.shape, b.shape)
+            assert torch.equal(a.resolve_conj(), b.resolve_conj()), (d, i, a, b)
+
+
 def test_gloo_comm_point_to_point_and_execute_plan() -> None:
     store = dist.HashStore()
     prefix = f"t{next(_PREFIX)}"

@@ -18,7 +18,12 @@ from torch_dtorch.graph import OperatorCost
 from torch_dtorch.placement_rules import OpCall, PlacementSignature, sig, unregister_rule
 from torch_dtorch.tools import DevicePeaks, GraphRecorder, roofline
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the op's body uses numpy (CPU tensors)")
+pytestmark = [
+    pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the op's body uses numpy (CPU tensors)"),
+    # the op's body records which worker thread ran it; worker processes would also need
+    # DTORCH_WORKER_IMPORTS=tests.eager.test_custom_op (tests/cluster/test_process_mode.py covers custom rules there)
+    thread_only,
+]
 
 #: (thread name, input shape) of every run of the op's body
 CALLS: list[tuple[str, tuple[int, ...]]] = []

@@ -98,6 +98,16 @@ def _from_header(header: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(values[2 : 2 + values[1]], dtype=_DTYPES[values[0]], device=device)
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """Gloo has no complex types: a complex tensor travels as its (real, imag) pairs, a trailing dim of 2 (dims
+    are normalized against the complex tensor first, so they mean the same in the real view)."""
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+
+
+def _complex(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(out.contiguous()) if like.is_complex() else out
+
+
 def _host_staged(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A collective of a host-staged group: CUDA input copied to the CPU, the result copied back to the GPU."""
 
@@ -190,6 +200,7 @@ class TorchDistGroup:
             raise CollectiveMismatchError(
                 f"all_gather(dim={dim}): sizes {sizes} do not fit this rank's {tuple(t.shape)}"
             )
+        like, t = t, _real(t)
         top = max(sizes)
         padded = list(t.shape)
         padded[dim] = top
@@ -200,19 +211,20 @@ class TorchDistGroup:
             buf.narrow(dim, 0, t.shape[dim]).copy_(t)
         out = [torch.empty(padded, dtype=t.dtype, device=t.device) for _ in range(self.size)]
         _wait(self.backend.allgather([out], [buf]), f"all_gather(dim={dim})", self._devices)
-        return torch.cat([o.narrow(dim, 0, s) for o, s in zip(out, sizes)], dim=dim)
+        return _complex(torch.cat([o.narrow(dim, 0, s) for o, s in zip(out, sizes)], dim=dim), like)
 
     @_host_staged
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _reduce_op(op)
-        buf = t.clone(memory_format=torch.contiguous_format)
+        buf = _real(t).clone(memory_format=torch.contiguous_format)
         _wait(self.backend.allreduce([buf], opts), f"all_reduce(op={op})", self._devices)
-        return _finish_avg(buf, op, self.size)
+        return _complex(_finish_avg(buf, op, self.size), t)
 
     @_host_staged
     def reduce_scatter(self, t: torch.Tensor, op: str, dim: int) -> torch.Tensor:
         dim = normalize_dim(dim, t.ndim, "reduce_scatter")
+        like, t = t, _real(t)
         n, size = self.size, t.shape[dim]
         full = -(-size // n)
         padded = list(t.shape)
@@ -230,7 +242,7 @@ class TorchDistGroup:
         )
         mine = chunk_size_and_offset(size, n, self._rank)[0]
         out = out if mine == full else out.narrow(dim, 0, mine).contiguous()
-        return _finish_avg(out, op, n)
+        return _complex(_finish_avg(out, op, n), like)
 
     @_host_staged
     def all_to_all(
@@ -238,6 +250,7 @@ class TorchDistGroup:
     ) -> torch.Tensor:
         src_dim = normalize_dim(src_dim, t.ndim, "all_to_all")
         dst_dim = normalize_dim(dst_dim, t.ndim, "all_to_all")
+        like, t = t, _real(t)
         n = self.size
         src_sizes = self._exchange_sizes(t.shape[src_dim]) if src_sizes is None else list(src_sizes)
         pieces = [chunk(t, dst_dim, n, j) for j in range(n)]
@@ -255,7 +268,7 @@ class TorchDistGroup:
         )
         _wait(work, f"all_to_all({src_dim}->{dst_dim})", self._devices)
         parts = [flat.view(shape) for flat, shape in zip(recv.split(recv_splits), shapes)]
-        return torch.cat(parts, dim=src_dim)
+        return _complex(torch.cat(parts, dim=src_dim), like)
 
     @_host_staged
     def broadcast(self, t: torch.Tensor | None, src: int) -> torch.Tensor:
@@ -275,7 +288,7 @@ class TorchDistGroup:
             buf = t.clone(memory_format=torch.contiguous_format)
         else:
             buf = _from_header(header, t.device if t is not None else self.torch_device)
-        _wait(self.backend.broadcast([buf], opts), f"broadcast(src={src})", self._devices)
+        _wait(self.backend.broadcast([_real(buf)], opts), f"broadcast(src={src})", self._devices)
         return buf
 
     def barrier(self) -> None:
