@@ -107,3 +107,25 @@ def test_in_place_and_cpu_scalars_take_the_full_path() -> None:
     s = torch.tensor(2.0)  # a 0-d CPU tensor: uploaded by the full path every time
     for _ in range(2):
         torch.testing.assert_close(dt.to_torch(x * s), (a + 3.0) * 2.0)
+
+
+def test_constants_never_collide_with_layouts_or_other_types() -> None:
+    """A cached template is keyed by input layout ids (ints) and constants: ``x + x`` must not serve
+    ``x + float(layout id of x)``, nor ``i + 1`` serve ``i + 1.0`` or ``i + True`` (different promotion)."""
+    from torch_dtorch.device.tensors import TABLE
+
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    i = dt.distribute_tensor(torch.arange(4), mesh, [Shard(0)])
+    for _ in range(2):
+        torch.testing.assert_close((x + x).full_tensor(), torch.arange(4.0) * 2)
+        assert (i + i).full_tensor().tolist() == [0, 2, 4, 6]
+    lx, li = TABLE.entry(x).layout, TABLE.entry(i).layout  # type: ignore[union-attr]
+    assert isinstance(lx, int) and isinstance(li, int)
+    for _ in range(2):
+        torch.testing.assert_close((x + float(lx)).full_tensor(), torch.arange(4.0) + lx)
+        assert (i + li).full_tensor().tolist() == [li, li + 1, li + 2, li + 3]
+        assert (i + 1).full_tensor().dtype == torch.int64
+        assert (i + 1.0).full_tensor().dtype == torch.float32
+        assert (i + True).full_tensor().tolist() == [1, 2, 3, 4]
+        assert x.view([2, 2]).shape == (2, 2) and x.view([4]).shape == (4,)

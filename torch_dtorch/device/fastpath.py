@@ -17,11 +17,12 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import torch
+from torch import Tensor
 
 from torch_dtorch.device import kernels, state
 from torch_dtorch.device.tensors import TABLE
-from torch_dtorch.executor.constructor import RedistributeSpec, redistribute_spec
+from torch_dtorch.executor.constructor import redistribute_spec
+from torch_dtorch.executor.fast import FastPlan
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
@@ -31,6 +32,7 @@ __all__ = ["MISS", "FastOp", "fast_op", "layout_of", "stats"]
 
 #: returned by :meth:`FastOp.__call__` when the call must take the full path
 MISS: Any = object()
+_CONST = "const"
 
 _TEMPLATES_PER_OP = 4096
 _LAYOUTS: dict[tuple[Any, ...], int] = {}
@@ -53,18 +55,7 @@ def layout_of(x: Operand) -> int:
 
 
 class _Template:
-    __slots__ = (
-        "rule",
-        "root_mesh",
-        "in_placements",
-        "moves",
-        "out_meta",
-        "out_specs",
-        "out_layouts",
-        "assign",
-        "cost",
-        "mesh",
-    )
+    __slots__ = ("plan", "out_layouts", "mesh")
 
     def __init__(
         self,
@@ -77,30 +68,27 @@ class _Template:
         slot_pos: tuple[int, ...],
     ) -> None:
         targets = plan.match.in_targets
-        self.rule = rule
-        self.root_mesh = call.mesh
-        self.in_placements = tuple(targets)
         assert call.mesh is not None or not moved
-        self.moves: tuple[tuple[int, int, RedistributeSpec], ...] = tuple(
+        moves = tuple(
             (i, slot_pos[i], redistribute_spec(call.inputs[i], call.mesh, targets[i]))  # type: ignore[arg-type]
             for i in moved
         )
-        self.out_meta = plan.out_meta
-        self.out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(plan.out_meta, outputs, strict=True))
+        out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(plan.out_meta, outputs, strict=True))
+        self.plan = FastPlan(rule, call, targets, out_specs, plan.assign, plan.cost, moves)
         self.out_layouts = tuple(layout_of(o) for o in outputs)
-        self.assign = plan.assign
-        self.cost = plan.cost
         self.mesh = mesh  # the mesh of the first tensor input (the runtime's "last mesh" after the call)
 
 
 class FastOp:
     """The fast path of one overload (see the module docstring)."""
 
-    __slots__ = ("op", "slot_pos", "cache", "kind", "view_of")
+    __slots__ = ("op", "slot_pos", "dense", "cache", "kind", "view_of")
 
     def __init__(self, op: Any, slot_pos: tuple[int, ...], kind: str, view_of: int | None) -> None:
         self.op = op
         self.slot_pos = slot_pos  # positional index of every tensor slot, in schema order
+        #: n when the tensor slots are exactly positions 0..n-1 (the slots are then a prefix of the arguments)
+        self.dense = len(slot_pos) if slot_pos == tuple(range(len(slot_pos))) else 0
         self.cache: dict[tuple[Any, ...], _Template] = {}
         self.kind = kind  # "single" | "tuple" | "list"
         self.view_of = view_of
@@ -114,8 +102,9 @@ class FastOp:
         key: list[Any] = []
         targs = list(args)
         first: Operand | None = None
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
+        i = 0
+        for a in args:
+            if isinstance(a, Tensor):
                 e = entries.get(id(a.untyped_storage()))
                 if e is None or e.generation != gen or a.shape != e.shape:
                     return MISS
@@ -131,41 +120,40 @@ class FastOp:
                     first = x
             elif type(a) is list or type(a) is tuple:
                 for v in a:
-                    if isinstance(v, torch.Tensor):
+                    if isinstance(v, Tensor):
                         return MISS
-                key.append((type(a), *a))
+                key.append((type(a), tuple(map(type, a)), *a))
             else:
-                key.append(a)
+                # tagged by type: a constant must never equal a layout id (ints) or another type's value
+                # (``1 == 1.0 == True``: ``x + 1`` and ``x + 1.0`` promote differently)
+                key.append((_CONST, type(a), a))
+            i += 1
         if first is None:
             return MISS
         if kwargs:
             for v in kwargs.values():
-                if isinstance(v, (torch.Tensor, list)):
+                if isinstance(v, (Tensor, list)):
                     return MISS
-            key.append(tuple(kwargs.items()))
-        k = tuple(key)
+            key.append(tuple((k, type(v), v) for k, v in kwargs.items()))
         try:
-            tpl = self.cache.get(k)
+            tpl = self.cache.get(tuple(key))
         except TypeError:  # an unhashable constant
             return MISS
         if tpl is None:
-            return self._record(rt, args, kwargs, targs, k)
+            return self._record(rt, args, kwargs, targs, tuple(key))
         stats["hit"] += 1
-        n = len(targs)
-        inputs = [targs[p] if p < n else None for p in self.slot_pos]
-        call = OpCall(
-            self.op, tuple(targs), kwargs, inputs, tpl.root_mesh, list(tpl.in_placements), tpl.out_meta
-        )
-        outs = rt.executor.call_planned(tpl.rule, call, tpl.out_specs, tpl.assign, tpl.cost, tpl.moves)
+        n = self.dense
+        if n and i >= n:
+            inputs = targs[:n] if i > n else targs
+        else:
+            inputs = [targs[p] if p < i else None for p in self.slot_pos]
+        outs = rt.executor.record_fast(tpl.plan, tuple(targs), inputs)
         rt.last_mesh = tpl.mesh
-        view = self.view_of is not None and not args[0].is_inference()
         on_free = kernels._free_callback(rt)
-        wrap = TABLE.wrap
+        wrap = TABLE.wrap_view if self.view_of is not None and not args[0].is_inference() else TABLE.wrap
         if self.kind == "single":
-            return wrap(outs[0], gen, on_free, view=view, layout=tpl.out_layouts[0])
-        res = [
-            wrap(o, gen, on_free, view=view, layout=lay) for o, lay in zip(outs, tpl.out_layouts, strict=True)
-        ]
+            return wrap(outs[0], gen, on_free, tpl.out_layouts[0])
+        res = [wrap(o, gen, on_free, lay) for o, lay in zip(outs, tpl.out_layouts, strict=True)]
         return res if self.kind == "list" else tuple(res)
 
     def _record(
@@ -179,7 +167,7 @@ class FastOp:
         last = constructor.last_call
         if last is None or last is before:
             return out
-        op, call, rule, plan, moved, outputs = last
+        op, call, rule, plan, moved, outputs, _ = last
         if op is not self.op or rule.output_is_input is not None:
             return out
         n = len(targs)
