@@ -96,7 +96,7 @@ class CallKeyMemo:
                     lids[i] = e.layout
                     self._key = None
                 ids[i] = e.operand.id
-        if list(map(TABLE._entries.get, self._keys)) != self._entries:  # identity: no entry rebound or freed
+        if any(map(operator.is_not, map(TABLE._entries.get, self._keys), self._entries)):  # rebound or freed
             return self._rebuild(generation, args)
         if self._key is None:
             self._key = (generation, *self._lids)

@@ -212,6 +212,7 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             operands and operands[0].mesh is None
         ):  # an unbound self was materialized: it now stands for the write
             rebind(rt, target, out if isinstance(out, Operand) else out[0])
+            binding.forget(operands[0])  # its controller-side value is not needed any more
         return target
     view = rule.view_of is not None and not getattr(original_args[0], "is_inference", lambda: True)()
     return map_only(Operand, lambda o: wrap(rt, o, view=view), out)

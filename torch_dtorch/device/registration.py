@@ -172,6 +172,8 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
             new = rt.executor.input(value.shape, dst_operand.mesh, dst_operand.placements, dtype=dst.dtype)
             rt.executor.upload(new, value)
             kernels.rebind(rt, dst, new)
+        # dst's storage (the only one standing for the old value) now holds the upload: free the old value
+        kernels._free_callback(rt)(dst_operand)
         return dst
     if is_dtorch(src) and not is_dtorch(dst):
         dst.copy_(to_torch(src))

@@ -4,7 +4,7 @@ A dtorch tensor is a storage-less PrivateUse1 tensor with the global shape. Ever
 fresh (0-byte) storage, so the storage identifies the operand: ``detach()``, ``nn.Parameter(t)``, ``.data`` and
 ``alias`` make new tensor objects over the same storage without calling the backend, and resolve for free. The
 table is keyed by the storage's Python object (stable for the storage's lifetime), never by ``id(tensor)``; a
-``weakref.finalize`` on the storage frees the operand's blobs on the workers when the last tensor over it dies.
+weak reference to the storage frees the operand's blobs on the workers when the last tensor over it dies.
 """
 
 from __future__ import annotations
@@ -32,26 +32,21 @@ def is_dtorch(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == DEVICE_NAME
 
 
-class _Ref(weakref.ref):  # type: ignore[type-arg]
-    """Weak reference to a storage that knows its table key and free callback (cheaper than weakref.finalize)."""
+_create = create_empty_tensor
 
-    __slots__ = ("key", "on_free")
+
+class _Entry(weakref.ref):  # type: ignore[type-arg]
+    """A live storage's table entry: a weak reference to the storage (cheaper than ``weakref.finalize``) that
+    knows its key, operand and free callback."""
+
+    __slots__ = ("key", "on_free", "operand", "generation", "shape", "layout")
     key: int
     on_free: Callable[[Operand], None]
-
-
-class _Entry:
-    __slots__ = ("operand", "generation", "shape", "layout", "ref")
-
-    def __init__(
-        self, operand: Operand, generation: int, shape: tuple[int, ...], layout: int | None, ref: _Ref
-    ) -> None:
-        self.operand = operand
-        self.generation = generation
-        self.shape = shape
-        #: interned (mesh, placements, shape, stride, dtype) id, filled lazily by the eager fast path
-        self.layout = layout
-        self.ref = ref
+    operand: Operand
+    generation: int
+    shape: tuple[int, ...]
+    #: interned (mesh, placements, shape, stride, dtype) id, filled lazily by the eager fast path
+    layout: int | None
 
 
 class TensorTable:
@@ -60,31 +55,44 @@ class TensorTable:
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
+        self._dead_cb = self._dead
 
     def wrap(
         self,
         operand: Operand,
         generation: int,
         on_free: Callable[[Operand], None],
+        layout: int | None = None,
         *,
         view: bool = False,
-        layout: int | None = None,
     ) -> torch.Tensor:
-        if view and torch.is_inference_mode_enabled():
+        """A new dtorch tensor standing for ``operand`` (``view``: it is a view of another dtorch tensor)."""
+        if view:
+            return self.wrap_view(operand, generation, on_free, layout)
+        t = _create(operand.shape, operand.dtype)
+        storage = t.untyped_storage()
+        key = id(storage)
+        e = _Entry(storage, self._dead_cb)
+        e.key = key
+        e.on_free = on_free
+        e.operand = operand
+        e.generation = generation
+        e.shape = operand.shape
+        e.layout = layout
+        # one dict store: atomic under the GIL, so the hot path takes no lock
+        self._entries[key] = e
+        return t
+
+    def wrap_view(
+        self, operand: Operand, generation: int, on_free: Callable[[Operand], None], layout: int | None = None
+    ) -> torch.Tensor:
+        """:meth:`wrap` for the output of a view op."""
+        if torch.is_inference_mode_enabled():
             # autograd's view bookkeeping links a view to its base's version counter, which an inference tensor
             # lacks: a view of a normal tensor made under inference_mode must be a normal tensor (as in torch)
             with torch.inference_mode(False):
-                t = create_empty_tensor(operand.shape, operand.dtype)
-        else:
-            t = create_empty_tensor(operand.shape, operand.dtype)
-        storage = t.untyped_storage()
-        key = id(storage)
-        ref = _Ref(storage, self._dead)
-        ref.key = key
-        ref.on_free = on_free
-        # one dict store: atomic under the GIL, so the hot path takes no lock
-        self._entries[key] = _Entry(operand, generation, operand.shape, layout, ref)
-        return t
+                return self.wrap(operand, generation, on_free, layout)
+        return self.wrap(operand, generation, on_free, layout)
 
     def bind(
         self, t: torch.Tensor, operand: Operand, generation: int, on_free: Callable[[Operand], None]
@@ -92,24 +100,24 @@ class TensorTable:
         """Attach ``operand`` to ``t``'s storage (replacing what it held: a copy into the tensor)."""
         storage = t.untyped_storage()
         key = id(storage)
+        # a new entry object (the old one's callback then finds itself replaced and frees nothing): holders of
+        # entries (the compile backend's call-key memo) detect a rebinding by identity
+        e = _Entry(storage, self._dead_cb)
+        e.key = key
+        e.on_free = on_free
+        e.operand = operand
+        e.generation = generation
+        e.shape = tuple(t.shape)
+        e.layout = None
         with self._lock:
-            old = self._entries.get(key)
-            if old is not None:
-                ref = old.ref
-            else:
-                ref = _Ref(storage, self._dead)
-                ref.key = key
-            ref.on_free = on_free
-            self._entries[key] = _Entry(operand, generation, tuple(t.shape), None, ref)
+            self._entries[key] = e
 
-    def _dead(self, ref: _Ref) -> None:
+    def _dead(self, e: _Entry) -> None:
         # the storage is being destroyed, so nothing can rebind its key meanwhile; single dict ops, no lock
         entries = self._entries
-        entry = entries.get(ref.key)
-        if entry is None or entry.ref is not ref:
-            return
-        entries.pop(ref.key, None)
-        ref.on_free(entry.operand)
+        if entries.get(e.key) is e:
+            del entries[e.key]
+            e.on_free(e.operand)
 
     def entry(self, t: torch.Tensor) -> _Entry | None:
         """The raw entry of ``t``'s storage, or ``None`` (the eager fast path checks generation/shape itself)."""

@@ -86,8 +86,8 @@ class GraphConstructor:
         self.policy = policy
         #: called with every operator added (redistributes included), in order: how executors stream work
         self.listeners: list[Callable[[Operator], None]] = []
-        #: ``(op, call, rule, plan, redistributed input slots, outputs)`` of the last :meth:`call` (the eager fast path builds
-        #: its templates from it)
+        #: ``(op, call, rule, plan, redistributed input slots, outputs, inputs after the moves)`` of the last
+        #: :meth:`call` (the eager fast path builds its templates from it; the eager executor frees the moved copies)
         self.last_call: tuple[Any, ...] | None = None
 
     # --- inputs -------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ class GraphConstructor:
             cost=plan.cost,
             payload=bound,
         )
-        self.last_call = (op, call, rule, plan, moved, outputs)
+        self.last_call = (op, call, rule, plan, moved, outputs, inputs)
         return self._structure(op, outputs)
 
     def call_planned(

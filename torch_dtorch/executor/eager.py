@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from time import monotonic as _monotonic
 from typing import Any
 
 import torch
@@ -34,8 +35,18 @@ from torch_dtorch.executor.constructor import (
     RedistributeSpec,
     planned_outputs,
 )
+from torch_dtorch.executor.fast import FastPlan
 from torch_dtorch.executor.future import TensorFuture
-from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
+from torch_dtorch.executor.messages import (
+    Barrier,
+    FastRun,
+    Fetch,
+    Free,
+    Instruction,
+    Redistribute,
+    RunOp,
+    Upload,
+)
 from torch_dtorch.executor.resolver import ValueRequest, ValueResolver
 from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
@@ -94,6 +105,8 @@ class EagerGraphExecutor:
         self._pending: list[Instruction] = []
         #: ids of operands whose last tensor died (:meth:`release`), freed before the next instruction
         self._dead: collections.deque[int] = collections.deque()
+        #: output id -> ids of the redistributed input copies its view keeps alive (freed with it)
+        self._owned: dict[int, list[int]] = {}
         self._last = 0.0
         self._keys = itertools.count()
         self._closed = False
@@ -125,7 +138,78 @@ class EagerGraphExecutor:
         """Record ``op(*args, **kwargs)`` (see :meth:`GraphConstructor.call`); returns the output operand(s) at once."""
         with self._lock:
             self._check_open()
-            return self.constructor.call(op, *args, **kwargs)
+            c = self.constructor
+            before = c.last_call
+            out = c.call(op, *args, **kwargs)
+            last = c.last_call
+            if last is not None and last is not before and last[4]:
+                moved, outputs, inputs = last[4], last[5], last[6]
+                self._free_moved([inputs[i] for i in moved], outputs)
+            return out
+
+    def _free_moved(self, copies: Sequence[Operand | None], outputs: Sequence[Operand]) -> None:
+        """The redistributed copies of an op's inputs are dead once the op ran, unless an output views one: then
+        they die with that output. Callers hold ``self._lock``."""
+        for y in copies:
+            if y is None:
+                continue
+            owner = next((o for o in outputs if o.base is y), None)
+            if owner is None:
+                self._dead.append(y.id)
+            else:
+                self._owned.setdefault(owner.id, []).append(y.id)
+
+    def record_fast(
+        self, plan: FastPlan, args: tuple[Any, ...], inputs: list[Operand | None]
+    ) -> list[Operand]:
+        """Record one call of a cached plan (the eager fast path's hit): new output operands and one compact
+        :class:`FastRun` instruction, expanded where it runs. Returns the outputs. This is the controller's
+        per-op cost, so the common case is written out inline."""
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            c = self.constructor
+            g = c.graph
+            if not plan.compact or g.record or len(c.listeners) != 1:
+                return self.call_planned(
+                    plan.rule, plan.call(args, inputs), plan.out_specs, plan.assign, plan.cost, plan.moves
+                )
+            first = g._next_operand
+            oid = first + plan.nmoves
+            out0 = plan.out0
+            if out0 is not None:
+                shape, dtype, mesh, pl, stride, fp = out0
+                grad = False
+                if fp:
+                    for x in inputs:
+                        if x is not None and x.requires_grad:
+                            grad = True
+                            break
+                vo = plan.view_of
+                base = inputs[vo] if vo is not None else None
+                outs = [Operand(oid, shape, dtype, mesh, pl, stride, None, [], base,
+                                plan.view if base is not None else None, grad)]  # fmt: skip
+                g._next_operand = oid + 1
+            else:
+                outs = plan.outputs(oid, inputs)
+                g._next_operand = oid + len(outs)
+            opid = g._next_operator
+            g._next_operator = opid + plan.nmoves + 1
+            instr = FastRun(
+                plan, args, inputs, outs, first, opid, _user_call_site() if get_config().debug else None
+            )
+            # _append, inline
+            if self._dead:
+                self._drain_dead()
+            pending = self._pending
+            pending.append(instr)
+            self._last = _monotonic()
+            n = len(pending)
+            if n >= self.batch_size:
+                self._flush_locked()
+            elif n == 1:
+                self._wake.set()
+            return outs
 
     def call_planned(
         self,
@@ -145,7 +229,18 @@ class EagerGraphExecutor:
             c = self.constructor
             g = c.graph
             if g.record or len(c.listeners) != 1:
-                return c.call_planned(rule, call, out_specs, assign, cost, moves)
+                copies: list[Operand | None] = []
+                if moves:
+                    moved = list(call.inputs)
+                    for slot, _, spec in moves:
+                        x = moved[slot]
+                        assert x is not None
+                        moved[slot] = c.emit_redistribute(x, spec)
+                        copies.append(moved[slot])
+                    call = call.retarget(moved, call.placements)
+                outs = c.call_planned(rule, call, out_specs, assign, cost)
+                self._free_moved(copies, outs)
+                return outs
             call_site = _user_call_site() if get_config().debug else None
             if moves:
                 call = self._replay_moves(call, moves, call_site)
@@ -157,6 +252,8 @@ class EagerGraphExecutor:
             )  # fmt: skip
             g._next_operator += 1
             self._append(RunOp(node, call_site))
+            if moves:
+                self._free_moved([inputs[slot] for slot, _, _ in moves], outs)
             return outs
 
     def _replay_moves(
@@ -321,29 +418,27 @@ class EagerGraphExecutor:
         lock-free, the id joins a ``Free`` in front of the next instruction (or the next flush)."""
         dead = self._dead
         dead.append(operand_id)
+        if self._owned:
+            copies = self._owned.pop(operand_id, None)
+            if copies:
+                dead.extend(copies)
         if len(dead) == 1 and not self._pending:
             self._last = time.monotonic()
             self._wake.set()  # nothing else queued: the timer flushes the frees
 
     def _drain_dead(self) -> None:
-        # callers hold self._lock; popleft is atomic, so releases racing with the drain are never lost
+        # callers hold self._lock; releases only append, so popping until empty never loses one
         dead = self._dead
-        ids: list[int] = []
-        take = dead.popleft
-        try:
-            while True:
-                ids.append(take())
-        except IndexError:
-            pass
-        if not ids:
-            return
         pending = self._pending
-        if pending:
-            last = pending[-1]
-            if type(last) is Free and len(last.operand_ids) < _FREE_CHUNK:  # type: ignore[union-attr]
-                last.operand_ids.extend(ids)  # type: ignore[union-attr]
-                return
-        pending.append(Free(ids))
+        last = pending[-1] if pending else None
+        if type(last) is Free and len(last.operand_ids) < _FREE_CHUNK:  # type: ignore[union-attr]
+            ids = last.operand_ids  # type: ignore[union-attr]
+        else:
+            ids = []
+            pending.append(Free(ids))
+        take = dead.popleft
+        while dead:
+            ids.append(take())
 
     def free(self, operand: int | Operand) -> None:
         """Drop an operand's blobs on every worker, in order with the operators (consecutive frees share one
@@ -379,6 +474,8 @@ class EagerGraphExecutor:
         """Flush and wait until every worker has run everything issued so far (a barrier round trip)."""
         with self._lock:
             self._check_open()
+            if self._dead:
+                self._drain_dead()  # frees of operands already dead are part of "everything issued so far"
             key = next(self._keys)
             self._pending.append(Barrier(key))
             self._flush_locked()

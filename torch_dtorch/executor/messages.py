@@ -15,6 +15,7 @@ from torch_dtorch.graph import Operand, Operator
 
 __all__ = [
     "Barrier",
+    "FastRun",
     "Fetch",
     "Free",
     "Instruction",
@@ -62,7 +63,7 @@ class Fetch:
     devices: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Free:
     """Drop the blobs of these operands on every worker. The controller appends ids to the last pending ``Free``
     until the batch is flushed (the list is not changed after that)."""
@@ -78,7 +79,48 @@ class Barrier:
     key: Any
 
 
-Instruction = RunOp | Redistribute | Upload | Fetch | Free | Barrier
+class FastRun:
+    """An eager fast-path op in compact form: what the controller records per call when the op's plan is cached
+    (``plan``: a :class:`~torch_dtorch.executor.fast.FastPlan`) — the call's arguments with operands in tensor
+    positions, its tensor slots, its output operands, and the first operand and operator ids it takes (inputs it
+    redistributes first get the ids before the outputs').
+
+    Where it is executed (a worker) or encoded (process mode), :meth:`expand` turns it — once — into the
+    ``Redistribute``/``RunOp``/``Free`` instructions it stands for, so the controller never builds them."""
+
+    __slots__ = ("plan", "args", "inputs", "outputs", "first_id", "first_op", "call_site", "_expanded")
+
+    def __init__(
+        self,
+        plan: Any,
+        args: tuple[Any, ...],
+        inputs: list[Operand | None],
+        outputs: list[Operand],
+        first_id: int,
+        first_op: int,
+        call_site: str | None,
+    ) -> None:
+        self.plan = plan
+        self.args = args
+        self.inputs = inputs
+        self.outputs = outputs
+        self.first_id = first_id
+        self.first_op = first_op
+        self.call_site = call_site
+        self._expanded: tuple[Instruction, ...] | None = None
+
+    def expand(self) -> tuple[Instruction, ...]:
+        """The instructions this stands for (built on first use; concurrent callers may both build equal ones)."""
+        e = self._expanded
+        if e is None:
+            e = self._expanded = self.plan.expand(self)
+        return e
+
+    def __repr__(self) -> str:
+        return f"FastRun({self.plan.op}, outputs={[o.name for o in self.outputs]})"
+
+
+Instruction = RunOp | Redistribute | Upload | Fetch | Free | Barrier | FastRun
 
 
 def devices_of(instr: Instruction) -> tuple[int, ...] | None:
@@ -91,4 +133,12 @@ def devices_of(instr: Instruction) -> tuple[int, ...] | None:
         return tuple(mesh.devices) if mesh is not None else ()
     if isinstance(instr, Fetch):
         return instr.devices
+    if isinstance(instr, FastRun):
+        devices: set[int] = set()
+        for i in instr.expand():
+            d = devices_of(i)
+            if d is None:
+                return None
+            devices.update(d)
+        return tuple(sorted(devices))
     return None

@@ -14,7 +14,16 @@ from typing import Any
 import torch
 
 from torch_dtorch.config import get_config
-from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
+from torch_dtorch.executor.messages import (
+    Barrier,
+    FastRun,
+    Fetch,
+    Free,
+    Instruction,
+    Redistribute,
+    RunOp,
+    Upload,
+)
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.kernel import Kernel, PoisonBoard
 from torch_dtorch.runtime.stream import COMPUTE, KernelStream
@@ -102,6 +111,10 @@ class Worker:
             self.executed += 1
             run = self.kernel.run_op if t is RunOp else self.kernel.run_redistribute
             run(node, instr=instr, call_site=self._call_site(instr))
+        elif t is FastRun:
+            assert isinstance(instr, FastRun)
+            for part in instr.expand():
+                self.execute(part)
         elif t is Free:
             assert isinstance(instr, Free)
             pop = self.blobs.pop

@@ -26,7 +26,16 @@ from torch_dtorch.executor.codec.common import (
     pl_str,
 )
 from torch_dtorch.executor.constructor import REDISTRIBUTE, BoundOp
-from torch_dtorch.executor.messages import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
+from torch_dtorch.executor.messages import (
+    Barrier,
+    FastRun,
+    Fetch,
+    Free,
+    Instruction,
+    Redistribute,
+    RunOp,
+    Upload,
+)
 from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta, ViewInfo
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement
@@ -276,7 +285,12 @@ class BatchEncoder(EncodeContext):
                 del self._operands[i]
         self._tensors = []
         try:
-            instrs = [self._instr(i) for i in batch]
+            instrs: list[Any] = []
+            for instr in batch:
+                if type(instr) is FastRun:
+                    instrs.extend(self._instr(part) for part in instr.expand())
+                else:
+                    instrs.append(self._instr(instr))
             payload = json.dumps(instrs, separators=(",", ":"), allow_nan=False).encode()
         except BaseException:
             self.reset()  # the tables may hold entries the decoders never saw: start over next batch

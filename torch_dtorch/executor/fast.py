@@ -1,0 +1,149 @@
+"""The executor's side of the eager fast path: a :class:`FastPlan` is everything decided for one op on given input
+layouts and constants (rule, redistributes of its inputs, output metadata and placements, device assignment, cost).
+
+A cache hit of :mod:`torch_dtorch.device.fastpath` records one :class:`~torch_dtorch.executor.messages.FastRun`
+(plan + operands) through :meth:`~torch_dtorch.executor.eager.EagerGraphExecutor.record_fast`; the
+``Redistribute``/``RunOp``/``Free`` instructions it stands for are only built where it is executed or encoded
+(:meth:`FastPlan.expand`), off the controller's issue path.
+
+Inputs a plan redistributes get fresh operands that nothing else refers to; the expansion frees them right after
+the op (a view of a moved input would keep them alive, so such plans are not compact: see
+:attr:`FastPlan.compact`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch_dtorch.executor.constructor import REDISTRIBUTE, BoundOp, RedistributeSpec, non_tensor_args
+from torch_dtorch.executor.messages import FastRun, Free, Instruction, Redistribute, RunOp
+from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta
+from torch_dtorch.graph.operand import ViewInfo
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement import Placements
+from torch_dtorch.placement_rules import OpCall, OpRule
+
+__all__ = ["FastPlan"]
+
+
+class FastPlan:
+    """One op's cached plan (see the module docstring).
+
+    Args:
+        rule / call: the rule and the call the full path planned (its constant arguments are the plan's).
+        in_placements: the rule's input targets (root placements, per tensor slot).
+        out_specs: ``(meta, mesh, placements)`` of every output.
+        assign / cost: of the op.
+        moves: ``(tensor slot, positional index, redistribute spec)`` of every input to move first.
+    """
+
+    __slots__ = (
+        "rule",
+        "op",
+        "kwargs",
+        "root_mesh",
+        "in_placements",
+        "out_meta",
+        "out_specs",
+        "outs",
+        "assign",
+        "cost",
+        "moves",
+        "view_of",
+        "view",
+        "compact",
+        "nmoves",
+        "out0",
+    )
+
+    def __init__(
+        self,
+        rule: OpRule,
+        call: OpCall,
+        in_placements: Sequence[Placements | None],
+        out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
+        assign: AssignInfo,
+        cost: OperatorCost,
+        moves: Sequence[tuple[int, int, RedistributeSpec]],
+    ) -> None:
+        self.rule = rule
+        self.op = call.op
+        self.kwargs = call.kwargs
+        self.root_mesh = call.mesh
+        self.in_placements = tuple(in_placements)
+        self.out_meta = [m for m, _, _ in out_specs]
+        self.out_specs = tuple(out_specs)
+        #: what each output operand is made of: (shape, dtype, mesh, placements, stride, may require grad)
+        self.outs = tuple(
+            (m.shape, m.dtype, mesh, pl, m.stride, m.dtype.is_floating_point) for m, mesh, pl in out_specs
+        )
+        self.assign = assign
+        self.cost = cost
+        self.moves = tuple(moves)
+        self.nmoves = len(self.moves)
+        #: the only output's spec (single-output ops, the common case, skip the list building)
+        self.out0 = self.outs[0] if len(self.outs) == 1 else None
+        self.view_of = rule.view_of
+        self.view = ViewInfo(call.op, non_tensor_args(call)) if rule.view_of is not None else None
+        #: recorded as one FastRun per call; otherwise through GraphConstructor.call_planned
+        self.compact = not (self.view_of is not None and any(slot == self.view_of for slot, _, _ in moves))
+
+    def call(self, args: tuple[Any, ...], inputs: list[Operand | None]) -> OpCall:
+        """The :class:`OpCall` of one call of this plan (before its moves)."""
+        return OpCall(
+            self.op, args, self.kwargs, inputs, self.root_mesh, list(self.in_placements), self.out_meta
+        )
+
+    def outputs(self, first_id: int, inputs: Sequence[Operand | None]) -> list[Operand]:
+        """New output operands ``first_id, first_id + 1, ...`` (views keep their base; ``requires_grad`` follows
+        the inputs)."""
+        grad = False
+        for x in inputs:
+            if x is not None and x.requires_grad:
+                grad = True
+                break
+        view_of = self.view_of
+        base = inputs[view_of] if view_of is not None else None
+        view = self.view if base is not None else None
+        return [
+            Operand(first_id + i, shape, dtype, mesh, pl, stride, None, [], base, view, grad and fp)
+            for i, (shape, dtype, mesh, pl, stride, fp) in enumerate(self.outs)
+        ]
+
+    def expand(self, run: FastRun) -> tuple[Instruction, ...]:
+        """The instructions ``run`` stands for: one ``Redistribute`` per moved input, the ``RunOp``, and a ``Free``
+        of the moved copies."""
+        call_site = run.call_site
+        inputs = run.inputs
+        args = run.args
+        out: list[Instruction] = []
+        oid, opid = run.first_id, run.first_op
+        if self.moves:
+            inputs = list(inputs)
+            largs = list(args)
+            for slot, pos, spec in self.moves:
+                x = inputs[slot]
+                assert x is not None
+                y = Operand(oid, x.shape, x.dtype, spec.out_mesh, spec.out_placements, None, None, [], None, None,
+                            x.requires_grad, None, x)  # fmt: skip
+                node = Operator(opid, REDISTRIBUTE, (x,), {}, [x], [y], "collective", spec.assign, spec.cost,
+                                spec.note, spec.plan)  # fmt: skip
+                out.append(Redistribute(node, call_site))
+                inputs[slot] = y
+                largs[pos] = y
+                oid += 1
+                opid += 1
+            args = tuple(largs)
+        call = OpCall(
+            self.op, args, self.kwargs, inputs, self.root_mesh, list(self.in_placements), self.out_meta
+        )
+        node = Operator(opid, self.op, args, self.kwargs, inputs, run.outputs, self.rule.family, self.assign,
+                        self.cost, "", BoundOp(self.rule, call))  # fmt: skip
+        out.append(RunOp(node, call_site))
+        if self.moves:
+            out.append(Free(list(range(run.first_id, oid))))
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        return f"FastPlan({self.op}, moves={len(self.moves)}, outputs={len(self.outs)})"
