@@ -26,6 +26,7 @@ import torch
 
 import torch_dtorch as dt
 from torch_dtorch import Shard
+from torch_dtorch.backend import dtorch_backend
 
 log = logging.getLogger("bench.compile_overhead")
 
@@ -127,7 +128,8 @@ def main() -> None:
     for n in args.ops:
         torch._dynamo.reset()
         with torch.no_grad():
-            compiled = torch.compile(chain(n, "dtorch"), backend="dtorch")
+            # the callable, not the entry-point name: the bench also runs from a source tree (device machines)
+            compiled = torch.compile(chain(n, "dtorch"), backend=dtorch_backend)
             out = compiled(x, y)
             base = torch.compile(chain(n, "noop"), backend=noop_backend(out))
             base(x, y)
