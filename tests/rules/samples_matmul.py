@@ -33,7 +33,16 @@ SAMPLES: dict[object, list[Sample]] = {
         S(rand(1, 7), rand(3, 5, 2), rand(3, 2, 7)),
     ],
     aten.mv.default: [S(rand(5, 7), rand(7))],
+    aten.addmv.default: [
+        S(rand(5), rand(5, 7), rand(7)),
+        S(rand(1), rand(5, 7), rand(7), beta=0.5, alpha=2.0),
+        S(rand(()), rand(1, 7), rand(7), beta=0.0),
+    ],
     aten.dot.default: [S(rand(7), rand(7))],
+    aten.vdot.default: [
+        S(rand(7), rand(7)),
+        S(torch.randn(5, dtype=torch.complex64, generator=g), rand(5) + 0j),
+    ],
     aten.matmul.default: [
         S(rand(7), rand(7)),
         S(rand(5, 7), rand(7)),

@@ -84,6 +84,11 @@ _SPECIAL: dict[object, list[Sample]] = {
     aten.sub.Tensor: [Sample((X, rand(5, 3))), Sample((ROW, X))],
     aten.mul.Tensor: [Sample((X, rand(5, 3))), Sample((rand(2, 5, 3), ROW))],
     aten.div.Tensor: [Sample((X, POS)), Sample((X, rand(5, 1).abs() + 1))],
+    aten._prelu_kernel.default: [
+        Sample((X, ROW)),
+        Sample((X, torch.tensor(0.25))),
+        Sample((rand(2, 3, 5), rand(3, 1))),
+    ],
 }
 
 _BITWISE = {aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor}
@@ -104,3 +109,4 @@ for op in BINARY_OPS:
         SAMPLES[op] = [Sample((X, rand(5, 3))), Sample((X, ROW))]
 for op in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor):
     SAMPLES[op] = _SPECIAL[op]
+SAMPLES[aten.log_sigmoid_forward.default] = [Sample((X * 4,)), Sample((rand(2, 1, 5),))]

@@ -172,3 +172,49 @@ def test_composites_are_intercepted() -> None:
     for op in ops:
         if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
             assert op in intercepted, op
+
+
+# --- addmv / vdot (kept sharded, as upstream DTensor does) -----------------------------------------------------------
+
+_MESHES_1D = ((2,), (3,), (4,))
+
+
+def test_vdot_of_equally_sharded_vectors_is_partial_sum() -> None:
+    x, y = rand(7), rand(7)  # 7 on 4 ranks: 2, 2, 2, 1
+    cx = torch.randn(5, dtype=torch.complex64, generator=_g)  # 5 on 4 ranks: 2, 2, 1, 0 (an empty shard)
+    cy = torch.randn(5, dtype=torch.complex64, generator=_g)
+    for mesh in _MESHES_1D:
+        for a, b in ((x, y), (cx, cy)):
+            plan = check_sample(aten.vdot.default, sample(a, b), mesh, [(S(0),), (S(0),)])
+            assert plan.match.in_targets == ((S(0),), (S(0),)) and plan.out_placements == ((P,),)
+    plan = check_sample(aten.vdot.default, sample(cx, cy), (2, 2), [(S(0), S(0)), (S(0), S(0))])
+    assert plan.match.in_targets == ((S(0), S(0)), (S(0), S(0))) and plan.out_placements == ((P, P),)
+    # a replicated peer is sliced locally (no gather); vdot is linear in each argument (conj is additive)
+    plan = check_sample(aten.vdot.default, sample(cx, cy), (4,), [(S(0),), (R,)])
+    assert plan.match.in_targets == ((S(0),), (S(0),)) and plan.out_placements == ((P,),)
+    for p in (P, PAVG):
+        plan = check_sample(aten.vdot.default, sample(x, y), (2,), [(p,), (R,)])
+        assert plan.match.in_targets == ((p,), (R,)) and plan.out_placements == ((p,),)
+
+
+def test_addmv_contracted_shards_give_partial_and_add_the_bias_once() -> None:
+    bias, mat, vec = rand(5), rand(5, 7), rand(7)
+    for mesh in _MESHES_1D:
+        for kw in ({}, {"beta": 0.5, "alpha": 2.0}):
+            # columns of the matrix and the vector sharded: P(sum); the replicated bias is zero-filled on all
+            # ranks but one (R -> P costs no communication), so the sum adds it exactly once
+            plan = check_sample(
+                aten.addmv.default, sample(bias, mat, vec, **kw), mesh, [(R,), (S(1),), (S(0),)]
+            )
+            assert plan.match.in_targets == ((P,), (S(1),), (S(0),)) and plan.out_placements == ((P,),)
+        # rows: bias and matrix S(0), vector R -> S(0)
+        plan = check_sample(aten.addmv.default, sample(bias, mat, vec), mesh, [(S(0),), (S(0),), (R,)])
+        assert plan.match.in_targets == ((S(0),), (S(0),), (R,)) and plan.out_placements == ((S(0),),)
+    # a broadcast bias (shape (1,)) stays R next to sharded rows; 2-d mesh: rows on axis 0, K on axis 1
+    plan = check_sample(aten.addmv.default, sample(rand(1), mat, vec), (4,), [(R,), (S(0),), (R,)])
+    assert plan.match.in_targets == ((R,), (S(0),), (R,)) and plan.out_placements == ((S(0),),)
+    plan = check_sample(
+        aten.addmv.default, sample(bias, mat, vec, beta=0.5), (2, 2), [(S(0), R), (S(0), S(1)), (R, S(0))]
+    )
+    assert plan.match.in_targets == ((S(0), P), (S(0), S(1)), (R, S(0)))
+    assert plan.out_placements == ((S(0), P),)

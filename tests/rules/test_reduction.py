@@ -150,3 +150,54 @@ def test_bad_dim_is_a_shape_error() -> None:
         check_sample(aten.sum.dim_IntList, Sample((rand(5, 3), [2])), (2,), [(S(0),)])
     with pytest.raises(ShapeError):
         check_sample(aten.mean.dim, Sample((torch.arange(6), [0])), (2,), [(S(0),)])
+
+
+# --- vector norms -----------------------------------------------------------------------------------------------------
+
+NORM = aten.linalg_vector_norm.default
+INF = float("inf")
+
+
+@pytest.mark.parametrize(
+    ("order", "partial"),
+    [(1, P), (1.0, P), (0, P), (INF, PMAX), (-INF, PMIN)],
+    ids=["1", "1.0", "0", "inf", "-inf"],
+)
+def test_vector_norms_that_combine_over_shards_stay_sharded(order: float, partial: Partial) -> None:
+    # 5 rows: 3+2 on 2 ranks, 2+2+1 on 3, 2+2+1+0 on 4 (an empty shard contributes the identity)
+    x = rand(5, 3)
+    for mesh in ((2,), (3,), (4,)):
+        plan = check_sample(NORM, Sample((x, order, [0])), mesh, [(S(0),)])
+        assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((partial,),)
+        plan = check_sample(aten.norm.ScalarOpt_dim, Sample((x, order, [0], True)), mesh, [(S(0),)])
+        assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((partial,),)
+    # full reduction on 2x2, both dims sharded (dim 1 of size 1 leaves empty shards on axis 1)
+    plan = check_sample(NORM, Sample((rand(5, 1, 7), order)), (2, 2), [(S(0), S(1))])
+    assert plan.match.in_targets == ((S(0), S(1)),) and plan.out_placements == ((partial, partial),)
+    # a kept dim stays sharded next to a reduced one on the other axis
+    plan = check_sample(NORM, Sample((x, order, [1])), (2, 2), [(S(0), S(1))])
+    assert plan.out_placements == ((S(0), partial),)
+
+
+def test_vector_norm_dtype_and_complex_inputs() -> None:
+    plan = check_sample(NORM, Sample((rand(5, 3), 1, [0]), {"dtype": torch.float64}), (4,), [(S(0),)])
+    assert plan.out_placements == ((P,),)
+    z = torch.complex(rand(7), rand(7))
+    plan = check_sample(NORM, Sample((z, INF)), (4,), [(S(0),)])
+    assert plan.out_placements == ((PMAX,),)
+
+
+def test_p_norms_keep_kept_dims_sharded_and_gather_a_reduced_one() -> None:
+    x = rand(5, 3)
+    for order in (2, 3, 0.5, -1, None):
+        op, args = (aten.norm.ScalarOpt_dim, (x, None, [1])) if order is None else (NORM, (x, order, [1]))
+        plan = check_sample(op, Sample(args), (4,), [(S(0),)])
+        assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((S(0),),)
+        # (Σ_r Σ|x|^p)^(1/p) needs a root after the sum: no Partial, the reduced dim moves (never a Partial out)
+        plan = check_sample(op, Sample(args), (2,), [(S(1),)])
+        assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((S(0),),)
+        plan = check_sample(op, Sample((x[0], *args[1:2], [0])), (4,), [(S(0),)])
+        assert plan.match.in_targets == ((R,),) and plan.out_placements == ((R,),)
+    # norms are not linear: a Partial input is reduced first
+    plan = check_sample(NORM, Sample((rand(7), 1)), (2,), [(P,)])
+    assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((P,),)

@@ -41,15 +41,13 @@ REPLICATE_ONLY_OPS = [
     aten.linalg_ldl_solve.default, aten.linalg_lstsq.default, aten.linalg_lu.default,
     aten.linalg_lu_factor_ex.default, aten.linalg_lu_solve.default, aten.linalg_matrix_exp.default,
     aten.linalg_qr.default, aten.linalg_solve_triangular.default, aten.lu_unpack.default, aten.ormqr.default,
-    aten.triangular_solve.default, aten.linalg_cross.default, aten.addbmm.default, aten.addmv.default,
-    aten.vdot.default, aten.trace.default, aten.linalg_vector_norm.default, aten._cdist_forward.default,
-    aten._pdist_forward.default,
+    aten.triangular_solve.default, aten.linalg_cross.default, aten.addbmm.default, aten.trace.default,
+    aten._cdist_forward.default, aten._pdist_forward.default,
     # FFT
     aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default,
-    # losses and activations with extra buffers
-    aten.binary_cross_entropy.default, aten.huber_loss.default, aten.multi_margin_loss.default,
-    aten.multilabel_margin_loss_forward.default, aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
-    aten._ctc_loss.default, aten.log_sigmoid_forward.default, aten._prelu_kernel.default,
+    # losses with extra buffers or class indices
+    aten.binary_cross_entropy.default, aten.multi_margin_loss.default, aten.multilabel_margin_loss_forward.default,
+    aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, aten._ctc_loss.default,
     # reductions, histograms, searches
     aten.nansum.default, aten.std_mean.correction, aten.aminmax.default, aten.count_nonzero.dim_IntList,
     aten.histc.default, aten.histogram.bin_ct, aten.histogram.bins_tensor,

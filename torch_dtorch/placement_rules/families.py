@@ -8,6 +8,7 @@ FAMILIES = (
     "pointwise",
     "matmul",
     "reduction",
+    "loss",
     "view",
     "view_scatter",
     "shape",

@@ -1,8 +1,10 @@
 """Matmul family, einsum-driven: ONE builder turns an einsum equation into the signatures of every matmul-like op.
 
 Every op is described by an equation over its product operands (``mm``: ``mk,kn->mn``; ``bmm``: ``bmk,bkn->bmn``;
-``matmul``/``linear``: built from the shapes, batch dims broadcast; ``einsum``: parsed, ``...`` and implicit output
-included) plus, for ``addmm``/``baddbmm``/``linear``, an *addend* (the bias) broadcast to the output.
+``mv``/``addmv``: ``mk,k->m``; ``dot``/``vdot``: ``k,k->``; ``matmul``/``linear``: built from the shapes, batch dims
+broadcast; ``einsum``: parsed, ``...`` and implicit output included) plus, for ``addmm``/``baddbmm``/``addmv``/
+``linear``, an *addend* (the bias) broadcast to the output. ``vdot`` conjugates its first operand locally: the
+conjugate is additive, so a contracted (sharded) ``k`` still gives ``P(sum)`` and the linearity signatures hold.
 
 Signatures (one mesh axis):
 - **free / batch letter** (in the output): every operand that has the letter at full size is ``S`` on that dim,
@@ -14,7 +16,8 @@ Signatures (one mesh axis):
 - **linearity**: one product operand ``P(sum|avg)``, the other operands ``R`` -> same ``P``.
 - **addend**: ``bias + P`` is not linear in the product alone, so every Partial signature requires the addend to be
   the *same* Partial (``beta·Σb_r + alpha·Σp_r = Σ(beta·b_r + alpha·p_r)``); a replicated bias reaches it for free
-  (zero-fill on all but one rank).
+  (zero-fill on all but one rank), so the bias is added once, not once per rank (e.g. ``addmv(R, S(1), S(0))``
+  runs as ``addmv(P(sum), S(1), S(0)) -> P(sum)``).
 - a letter repeated inside one operand (``ii->i``) gets no sharded signature (a placement shards one dim per axis).
 
 Costs are ``2·batch·M·N·K`` (``matmul_cost``): batch = letters in the output and in both operands, M/N = output
@@ -36,7 +39,8 @@ from torch_dtorch.graph import OperatorCost
 from torch_dtorch.ops.cost import matmul_cost, traffic_cost
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.rule import register_rule
+from torch_dtorch.placement_rules.inplace import InplaceRule
+from torch_dtorch.placement_rules.rule import get_rule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
 __all__ = ["Einsum", "einsum_signatures", "matmul_equation", "parse_einsum"]
@@ -201,7 +205,9 @@ _SPECS: dict[Any, _Spec] = {
     aten.addmm.default: _Spec(_fixed("mk,kn->mn"), (1, 2), addend=0),
     aten.baddbmm.default: _Spec(_fixed("bmk,bkn->bmn"), (1, 2), addend=0),
     aten.mv.default: _Spec(_fixed("mk,k->m")),
+    aten.addmv.default: _Spec(_fixed("mk,k->m"), (1, 2), addend=0),
     aten.dot.default: _Spec(_fixed("k,k->")),
+    aten.vdot.default: _Spec(_fixed("k,k->")),
     aten.matmul.default: _Spec(lambda call: matmul_equation(len(_shape(call, 0)), len(_shape(call, 1)))),
     aten.linear.default: _Spec(_linear_eq, addend=2),
 }
@@ -243,6 +249,16 @@ def _matmul_cost(call: OpCall) -> OperatorCost:
     return matmul_cost(call.inputs, call.out_meta, m=m, n=n, k=k, batch=batch)
 
 
+def _addmv_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``addmv`` on the shards; an empty output block (an empty shard of the rows) skips it: torch's ``addmv`` of an
+    empty matrix returns the bias' shape (``(1,)`` or ``()`` for a broadcast bias), not the empty block."""
+    shape = ctx.out_shapes[0]
+    if math.prod(shape) == 0:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return torch.empty(shape, dtype=call.out_meta[0].dtype, device=device)
+    return call.op(*args, **kwargs)
+
+
 def _einsum_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``einsum`` of one operand may return a view of it (``ij->ji``): the output is a fresh tensor here."""
     out = call.op(*args, **kwargs)
@@ -263,12 +279,21 @@ def _einsum_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwarg
     aten.baddbmm.default,
     aten.mv.default,
     aten.dot.default,
+    aten.vdot.default,
     family="matmul",
     cost=_matmul_cost,
 )
 def matmul_family(call: OpCall) -> list[PlacementSignature]:
     """Einsum-driven: shard free/batch letters consistently, contracted letters -> ``P(sum)``, linear in each arg."""
     return matmul_signatures(call)
+
+
+register_rule(aten.addmv.default, family="matmul", cost=_matmul_cost, kernel=_addmv_kernel)(matmul_family)
+# the kernel above only guards an empty block, so ``addmv_`` (a full-size ``self``) derives as usual; derived
+# variants skip rules with their own kernel, so it is registered here
+register_rule(aten.addmv_.default, family="matmul")(
+    InplaceRule(get_rule(aten.addmv.default), aten.addmv.default)
+)
 
 
 @register_rule(aten.matmul.default, aten.linear.default, family="matmul", intercept=True, cost=_matmul_cost)

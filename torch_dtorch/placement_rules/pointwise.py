@@ -8,6 +8,11 @@ Signatures (one mesh axis):
   ``UNARY`` (neg, mul/div by a scalar): ``P -> P``; ``ADDITIVE`` (add/sub of two tensors): ``P, P -> P``;
   ``MULTIPLICATIVE`` (mul: one ``P`` and the rest ``R``; div: numerator ``P``): ``-> P``.
   Everything else (``relu(P)``, ``P + 2``) gets no Partial signature, so a Partial input is all-reduced first.
+- ``_prelu_kernel(x, weight)`` (behind ``F.prelu``, the weight reshaped to broadcast over the channels) is a binary
+  op like the others: a per-channel weight is ``S`` where the channels are sharded, a single weight ``R``.
+- ``log_sigmoid_forward(x) -> (output, buffer)`` (behind ``F.logsigmoid``): ``S(d) -> (S(d), S(d))``; on CUDA the
+  buffer is empty ``(0,)`` (the meta kernel models the CPU's full one): shapes follow the mesh's device, and an
+  empty buffer is ``R``.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ from enum import Enum
 
 import torch
 
-from torch_dtorch.graph import OperatorCost
+from torch_dtorch.graph import OperatorCost, TensorMeta
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import OpCall
-from torch_dtorch.placement_rules.rule import register_rule
+from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
 __all__ = ["Linearity", "broadcast_shard_signatures", "pointwise_signatures"]
@@ -114,7 +119,7 @@ BINARY_OPS = [
     aten.xlogy.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.clamp.Tensor,
     aten.where.self, aten.lerp.Scalar, aten.lerp.Tensor, aten.addcmul.default, aten.addcdiv.default,
     aten.gelu_backward.default, aten.threshold_backward.default, aten.sigmoid_backward.default,
-    aten.silu_backward.default, aten.tanh_backward.default,
+    aten.silu_backward.default, aten.tanh_backward.default, aten._prelu_kernel.default,
 ]  # fmt: skip
 
 
@@ -180,6 +185,26 @@ _REGISTERED = {op for op in (*UNARY_OPS, *UNARY_LINEAR_OPS, *BINARY_OPS)}
 register_rule(
     *[op for op in (*SPECIAL_UNARY_OPS, *SPECIAL_BINARY_OPS) if op not in _REGISTERED], family="pointwise"
 )(pointwise)
+
+
+class LogSigmoidForwardRule(OpRule):
+    """``log_sigmoid_forward``: elementwise with a backward ``buffer`` whose shape depends on the device."""
+
+    family = "pointwise"
+
+    def infer_meta(self, call: OpCall) -> list[TensorMeta]:
+        out, buffer = super().infer_meta(call)
+        if call.mesh is not None and call.mesh.device_type == "cuda":
+            buffer = TensorMeta((0,), buffer.dtype, (1,))  # the CUDA kernel returns an empty buffer
+        return [out, buffer]
+
+    def signatures(self, call: OpCall) -> Sequence[PlacementSignature]:
+        out, buffer = call.out_meta
+        full = tuple(buffer.shape) == tuple(out.shape)
+        return [sig([Shard(d)], [Shard(d), Shard(d) if full else _R]) for d in range(len(out.shape))]
+
+
+register_rule(aten.log_sigmoid_forward.default, family="pointwise")(LogSigmoidForwardRule)
 
 
 @register_rule(aten.bucketize.Tensor, aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, family="pointwise")

@@ -1,5 +1,5 @@
 """Reduction family: sum, mean, amax/amin, max/min (full and ``.dim``), argmax/argmin, var/std/var_mean, prod,
-any/all, logsumexp, norm, and the scan ``cumsum``.
+any/all, logsumexp, the vector norms ``linalg_vector_norm`` / ``norm.ScalarOpt_dim``, and the scan ``cumsum``.
 
 Signatures (one mesh axis), for an input whose reduced dims are ``D`` (``dim=None`` and, except for ``any.dims`` /
 ``all.dims``, an empty dim list mean every dim):
@@ -8,14 +8,20 @@ Signatures (one mesh axis), for an input whose reduced dims are ``D`` (``dim=Non
   ``keepdim=True`` and ``d`` minus the reduced dims before it otherwise.
 - reduced dim ``d`` (in ``D``), only where the reduction decomposes over shards:
   ``sum -> P(sum)``; ``mean -> P(sum)`` (the kernel divides the local sum by the GLOBAL element count, so uneven
-  shards are exact); ``amax``/``max`` and ``any`` ``-> P(max)``; ``amin``/``min`` and ``all`` ``-> P(min)``. A rank
-  whose shard of a reduced dim is empty returns the reduction's identity (``-inf`` for max, ``False`` for any, ...).
+  shards are exact); ``amax``/``max`` and ``any`` ``-> P(max)``; ``amin``/``min`` and ``all`` ``-> P(min)``; the
+  vector norms whose combination over shards is one of those reductions, with nothing to finish after it:
+  ``ord`` 1 (``Σ|x|``) and 0 (the count of non-zeros) ``-> P(sum)``, ``inf`` (``max|x|``) ``-> P(max)``, ``-inf``
+  ``-> P(min)``. A rank whose shard of a reduced dim is empty returns the reduction's identity (``-inf`` for max,
+  ``False`` for any, ``0`` for a norm's sum or max, ...).
 - Partial inputs: ``sum``/``mean``/``cumsum`` are linear: ``P(sum) -> P(sum)`` and ``P(avg) -> P(avg)`` (floating
   input and output only: a cast to an integer dtype is not linear); ``amax``/``max``: ``P(max) -> P(max)``;
   ``amin``/``min``: ``P(min) -> P(min)``. Every other Partial input is reduced first.
 - no signature for a sharded reduced dim (the matcher all-gathers that dim first): ``max.dim``/``min.dim`` (values
-  and global indices), ``argmax``/``argmin``, ``var``/``std``/``var_mean``, ``prod``, ``logsumexp``, ``norm``. Full
-  reductions of these (``prod.default``, ``argmax`` without ``dim``) are therefore Replicate only.
+  and global indices), ``argmax``/``argmin``, ``var``/``std``/``var_mean``, ``prod`` (it would need a
+  ``Partial("prod")``, which dtorch's placements and collectives do not carry), ``logsumexp``, and the vector norms
+  of any other ``ord`` (``2``, ``p``: ``(Σ_r Σ|x|^p)^(1/p)`` needs a root after the cross-rank sum, and one operator
+  cannot express a Partial with a finishing step). Full reductions of these (``prod.default``, ``argmax`` without
+  ``dim``, ``norm(x)``) are therefore Replicate only.
 - ``cumsum(dim)``: ``S(d) -> S(d)`` for ``d != dim``; ``P(sum|avg) -> P(sum|avg)`` for floating dtypes.
 
 All-Replicate is listed before the Partial pass-through signatures: an input that must move anyway (e.g. a
@@ -36,7 +42,7 @@ from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, all_replicate, sig
 
-__all__ = ["ReductionRule", "reduced_dims", "reduction_signatures"]
+__all__ = ["ReductionRule", "norm_partial", "reduced_dims", "reduction_signatures"]
 
 aten = torch.ops.aten
 _LINEAR = ("sum", "avg")
@@ -113,9 +119,15 @@ class ReductionRule(OpRule):
     def dims(self, call: OpCall) -> tuple[list[int], bool]:
         return reduced_dims(call, empty_means_all=self.empty_means_all)
 
+    def sharded_op(self, call: OpCall) -> str | None:
+        """The Partial reduce op a sharded reduced dim gives for this call (default: :attr:`sharded`)."""
+        return self.sharded
+
     def signatures(self, call: OpCall) -> Sequence[PlacementSignature]:
         dims, keepdim = self.dims(call)
-        return reduction_signatures(call, dims, keepdim, sharded=self.sharded, partials=self.partials)
+        return reduction_signatures(
+            call, dims, keepdim, sharded=self.sharded_op(call), partials=self.partials
+        )
 
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The op on the shard; a rank whose output block is empty (an empty shard of a kept dim) skips it (torch
@@ -160,11 +172,16 @@ class _Mean(ReductionRule):
 class _Extremum(ReductionRule):
     """amax/amin/max/min/any/all: a rank with an empty shard of a reduced dim contributes the identity."""
 
+    def identity(self, reduce_op: str, dtype: torch.dtype) -> bool | int | float:
+        return _identity(reduce_op, dtype)
+
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x = args[0]
-        if x.numel() == 0 and self.sharded is not None and not self._local_is_whole(call, x)[0]:
+        reduce_op = self.sharded_op(call)
+        if x.numel() == 0 and reduce_op is not None and not self._local_is_whole(call, x)[0]:
             dtype = call.out_meta[0].dtype
-            return torch.full(ctx.out_shapes[0], _identity(self.sharded, dtype), dtype=dtype, device=x.device)
+            fill = self.identity(reduce_op, dtype)
+            return torch.full(ctx.out_shapes[0], fill, dtype=dtype, device=x.device)
         return super().kernel(call, ctx, args, kwargs)
 
 
@@ -203,13 +220,39 @@ class _AllDims(_All):
 LOCAL_OPS = [
     aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.var.correction,
     aten.std.correction, aten.var_mean.correction, aten.prod.default, aten.prod.dim_int, aten.logsumexp.default,
-    aten.norm.ScalarOpt_dim,
 ]  # fmt: skip
 
 
 @register_rule(*LOCAL_OPS, family="reduction")
 class _Local(ReductionRule):
     """Reductions that are not a Partial of their shards: only kept dims stay sharded."""
+
+
+def norm_partial(order: float | None) -> str | None:
+    """How per-shard ``order``-norms combine over a sharded reduced dim: a Partial reduce op, or None where they do not
+    (every ``ord`` but 0, 1 and ±inf needs a root after the cross-rank sum)."""
+    p = 2.0 if order is None else float(order)
+    if p in (0.0, 1.0):
+        return "sum"
+    if p == math.inf:
+        return "max"
+    if p == -math.inf:
+        return "min"
+    return None
+
+
+@register_rule(aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim, family="reduction")
+class _VectorNorm(_Extremum):
+    """``linalg_vector_norm(x, ord, dim)`` and ``norm.ScalarOpt_dim(x, p, dim)`` (``p=None``: 2): kept dims stay
+    sharded; a sharded reduced dim gives :func:`norm_partial` of the order. Not linear: no Partial input."""
+
+    def sharded_op(self, call: OpCall) -> str | None:
+        order = call.arg("ord", 2) if call.op is aten.linalg_vector_norm.default else call.arg("p")
+        return norm_partial(order)
+
+    def identity(self, reduce_op: str, dtype: torch.dtype) -> bool | int | float:
+        """Norms are non-negative: ``0`` is the identity of their sum and max (``inf`` of their min)."""
+        return math.inf if reduce_op == "min" else 0.0
 
 
 @register_rule(aten.cumsum.default, family="reduction")
