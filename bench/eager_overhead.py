@@ -76,6 +76,7 @@ def main() -> None:
             ex.runner.submit = submit
             dt.sync()
             rows[name][f"dtorch issue {n}-dev"] = per_op_us(fn, args.iters)
+            dt.sync()  # the issue loops above leave thousands of ops queued: e2e starts from idle workers
             t0 = time.perf_counter()
             for _ in range(args.iters):
                 fn()
