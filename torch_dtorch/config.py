@@ -16,6 +16,7 @@
 | ``DTORCH_CLUSTER_TRANSPORT`` | cluster mode, one host: ``ipc`` or ``tcp`` (loopback) sockets | ``ipc`` |
 | ``DTORCH_WORKER_IMPORTS`` | cluster mode: comma-separated modules every worker imports at start (custom rules, instruction handlers) | none |
 | ``DTORCH_SHM_THRESHOLD_BYTES`` | cluster mode: uploads/fetches at least this large use shared memory between local processes (when available) | ``1048576`` |
+| ``DTORCH_CUDA_IPC`` | cluster mode: ``0`` sends CUDA tensors between the controller and its local workers through shared memory instead of CUDA IPC handles | ``1`` |
 | ``DTORCH_HEARTBEAT_TIMEOUT_S`` | cluster mode: a worker silent this long is reported lost (``WorkerLostError``) | ``1.0`` |
 | ``DTORCH_HANG_TIMEOUT_S`` | cluster mode: a worker busy on one op this long is reported hung (``WorkerHangError``) | ``600`` |
 | ``DTORCH_CONTROLLER_TIMEOUT_S`` | cluster mode: a worker whose controller is silent this long exits by itself | ``1.5`` |

@@ -33,7 +33,20 @@ log = logging.getLogger(__name__)
 class Member:
     """What the controller knows about one worker."""
 
-    __slots__ = ("device", "worker_id", "proc", "identity", "host", "peer", "pid", "seq", "acked", "ready")
+    __slots__ = (
+        "device",
+        "worker_id",
+        "proc",
+        "identity",
+        "host",
+        "peer",
+        "pid",
+        "seq",
+        "acked",
+        "ready",
+        "cuda_ipc",
+        "cuda_index",
+    )
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -46,6 +59,8 @@ class Member:
         self.seq = 0  # uploads sent on its control socket
         self.acked = 0  # last batch it acknowledged
         self.ready = False
+        self.cuda_ipc = False  # CUDA tensors travel as IPC handles (told in its WELCOME; off after a failure)
+        self.cuda_index: int | None = None  # its CUDA device index on this host (reported when ready)
 
     @property
     def local(self) -> bool:

@@ -31,6 +31,7 @@ from torch_dtorch.errors import DTorchError
 from torch_dtorch.executor.transport.wire import MIN_SECRET_BYTES, check_secret
 
 __all__ = [
+    "ENV_CUDA_IPC",
     "ENV_LISTEN",
     "ENV_LOCAL_DEVICES",
     "ENV_SECRET_FILE",
@@ -57,6 +58,7 @@ ENV_TRANSPORT = "DTORCH_CLUSTER_TRANSPORT"
 ENV_START_TIMEOUT = "DTORCH_WORKER_START_TIMEOUT_S"
 ENV_WORKER_IMPORTS = "DTORCH_WORKER_IMPORTS"
 ENV_SHM_THRESHOLD = "DTORCH_SHM_THRESHOLD_BYTES"
+ENV_CUDA_IPC = "DTORCH_CUDA_IPC"
 
 DEFAULT_START_TIMEOUT_S = 120.0
 #: uploads/fetches at least this large go through shared memory between processes of one host (when available)
@@ -99,6 +101,18 @@ def _env_float(name: str, default: float) -> float:
     return value
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """A ``1``/``0`` (``true``/``false``, ``yes``/``no``, ``on``/``off``) environment variable; unset: ``default``."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
 def parse_devices(text: str, *, what: str) -> tuple[int, ...]:
     """``"0,1,4-7"`` -> ``(0, 1, 4, 5, 6, 7)``; ``""``/``"none"`` -> ``()``."""
     text = text.strip()
@@ -136,6 +150,9 @@ class ClusterConfig:
             ``DTORCH_WORKER_IMPORTS`` (comma-separated).
         shm_threshold: tensors of at least this many bytes travel through shared memory between local processes
             when a shared-memory store is available. Env ``DTORCH_SHM_THRESHOLD_BYTES`` (1 MiB).
+        cuda_ipc: CUDA tensors of at least ``shm_threshold`` bytes travel between this controller and the workers
+            it started as CUDA IPC handles (no host copy; :mod:`.cluster_ipc`); ``False``: through shared memory.
+            Env ``DTORCH_CUDA_IPC`` (``1``; ``0`` disables it).
     """
 
     listen: str | None = None
@@ -145,6 +162,7 @@ class ClusterConfig:
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     worker_imports: tuple[str, ...] = ()
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
+    cuda_ipc: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -173,6 +191,7 @@ class ClusterConfig:
             start_timeout_s=_env_float(ENV_START_TIMEOUT, DEFAULT_START_TIMEOUT_S),
             worker_imports=imports,
             shm_threshold=int(_env_float(ENV_SHM_THRESHOLD, DEFAULT_SHM_THRESHOLD)),
+            cuda_ipc=env_switch(ENV_CUDA_IPC, True),
         )
 
     def bind_host(self) -> str:

@@ -5,36 +5,46 @@ Same interface as :class:`~torch_dtorch.executor.thread_runner.ThreadRunner` (``
 thread-mode :class:`~torch_dtorch.executor.worker.Worker`. What differs is the plumbing (see
 :mod:`~torch_dtorch.executor.cluster_protocol` for the sockets):
 
-1. start-up: a per-cluster secret, a heartbeat monitor, a ``TCPStore`` for the ``torch.distributed`` rendezvous,
-   the PUB / PULL / control sockets; local workers are started with ``subprocess`` (spawn, never fork: torch is
-   initialized here) and get the secret through an inherited pipe; every worker (local or remote) sends a signed
-   ``JOIN`` and receives a ``WELCOME``; the PUB/SUB handshake; every worker reports ready once its Gloo/NCCL world
-   is built. Anything missing after ``start_timeout_s`` raises :class:`WorkerStartError` naming it.
+1. start-up (:mod:`~torch_dtorch.executor.cluster_startup`): a per-cluster secret, a heartbeat monitor, a
+   ``TCPStore`` for the ``torch.distributed`` rendezvous, the sockets, local workers spawned, signed
+   ``JOIN``/``WELCOME``, the PUB/SUB handshake, every worker ready. Anything missing after ``start_timeout_s``
+   raises :class:`WorkerStartError` naming it.
 2. work: batches are encoded by the codec and published in order; uploads go to their worker's control socket
-   (large ones to local workers through the shared-memory store); values, barrier markers and acks come back on the
-   PULL socket (a receiver thread, which also refuses late JOINs on the control socket).
+   (large ones to local workers through the shared-memory store, large CUDA ones as CUDA IPC handles:
+   :mod:`~torch_dtorch.executor.cluster_ipc`); values, barrier markers and acks come back on the PULL socket (a
+   receiver thread, which also refuses late JOINs on the control socket).
 3. failure: a worker that dies (heartbeat stream breaks, or its process exits) or stops beating for
    ``DTORCH_HEARTBEAT_TIMEOUT_S`` fails the runner with :class:`WorkerLostError` (worker, host, last op); one busy on
    one op beyond ``DTORCH_HANG_TIMEOUT_S`` with :class:`WorkerHangError`. Every pending and later value request
-   raises it, and the other workers are shut down (no process is left behind).
+   raises it, the other workers are shut down (no process is left behind), and the CUDA tensors held for the
+   workers' IPC handles are dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
+import torch
 import zmq
 
-from torch_dtorch.collectives.shm_store import ShmTensorStore, cleanup_stale
-from torch_dtorch.executor.cluster_joins import JoinDesk, Member, reap_local_workers, spawn_worker
+from torch_dtorch.collectives.errors import TensorStoreError
+from torch_dtorch.executor.cluster_ipc import (
+    CudaIpcError,
+    IpcAck,
+    IpcOutbox,
+    ack_body,
+    is_ipc_body,
+    open_copy,
+    parse_ack,
+)
+from torch_dtorch.executor.cluster_joins import Member, reap_local_workers
 from torch_dtorch.executor.cluster_protocol import (
     ClusterConfig,
     WorkerFailedError,
@@ -42,27 +52,28 @@ from torch_dtorch.executor.cluster_protocol import (
     new_secret,
     read_secret_file,
 )
-from torch_dtorch.executor.cluster_store import ControllerStore, value_body, value_from_body
-from torch_dtorch.executor.heartbeat import HeartbeatError, HeartbeatMonitor, WorkerHangError, WorkerLostError
-from torch_dtorch.executor.messages import Instruction
-from torch_dtorch.executor.transport import (
-    HandshakeTimeoutError,
-    MessageKind,
-    Publisher,
-    Puller,
-    TransportError,
+from torch_dtorch.executor.cluster_startup import ClusterStartup
+from torch_dtorch.executor.cluster_store import (
+    ControllerStore,
+    Route,
+    key_from_wire,
+    tensor_route,
+    value_body,
+    value_from_body,
 )
+from torch_dtorch.executor.heartbeat import HeartbeatError, WorkerHangError, WorkerLostError
+from torch_dtorch.executor.messages import Instruction
+from torch_dtorch.executor.transport import MessageKind, TransportError
 
 __all__ = ["ClusterRunner"]
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.1
 _JOIN_POLL_S = 0.05  # after start-up, the receiver thread answers late JOINs this often
 _EXIT_GRACE_S = 3.0
 
 
-class ClusterRunner:
+class ClusterRunner(ClusterStartup):
     """Workers as processes (see the module docstring).
 
     Args:
@@ -118,184 +129,22 @@ class ClusterRunner:
         self._tmpdir = tempfile.mkdtemp(prefix="dtorch-cluster-")  # 0700: private to this user
         self._threads: list[threading.Thread] = []
         self._abort: threading.Thread | None = None
-        self._monitor: HeartbeatMonitor | None = None
-        self._tcp_store: Any = None
-        self._pub: Publisher | None = None
-        self._pull: Puller | None = None
-        self._control: zmq.Socket[bytes] | None = None
-        self._desk: JoinDesk | None = None
-        self._shm: ShmTensorStore | None = None
+        self._monitor = None
+        self._tcp_store = None
+        self._pub = None
+        self._pull = None
+        self._control = None
+        self._desk = None
+        self._shm = None
+        #: CUDA tensors shared with workers (uploads), held until each worker acknowledged its copy
+        self._ipc = IpcOutbox()
+        #: CUDA IPC traffic: ``sent`` (uploads shared), ``received`` (fetched values opened), ``fallback``
+        self.cuda_ipc_counts: Counter[str] = Counter()
         try:
             self._start()
         except BaseException:
             self._stop_everything(graceful=False)
             raise
-
-    # --- start-up -----------------------------------------------------------------------------------------------
-    def _start(self) -> None:
-        cfg = self.config
-        host = cfg.bind_host()
-        remote = cfg.remote
-        tcp = remote or cfg.transport == "tcp" or (cfg.listen or "").startswith("tcp://")
-        t0 = time.monotonic()
-        # heartbeat, rendezvous store, sockets
-        self._monitor = HeartbeatMonitor(bind=f"{host}:0", on_lost=self._on_failure, on_hang=self._on_failure)
-        hb_address = self._monitor.start()
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.bind((host, 0))
-        sock.listen(256)
-        store_port = sock.getsockname()[1]
-        import torch.distributed as dist
-
-        self._tcp_store = dist.TCPStore(
-            host,
-            store_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self._collective_timeout_s),
-            master_listen_fd=sock.fileno(),
-        )
-        sock.detach()  # the store owns the listening fd now
-        scheme: Literal["ipc", "tcp"] = "tcp" if tcp else "ipc"
-        endpoint = f"tcp://{host}:*" if tcp else None
-        on_reject = self._on_reject
-        self._pub = Publisher(endpoint, secret=self._secret, scheme=scheme, allow_remote=remote)
-        self._pull = Puller(
-            endpoint, secret=self._secret, scheme=scheme, allow_remote=remote, on_reject=on_reject
-        )
-        ctl: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self._control = ctl
-        ctl.setsockopt(zmq.SNDHWM, 0)
-        ctl.setsockopt(zmq.RCVHWM, 1000)  # incoming: joins only (bounded against floods)
-        ctl.setsockopt(zmq.LINGER, 0)
-        ctl.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        control = cfg.listen or (f"tcp://{host}:*" if tcp else f"ipc://{self._tmpdir}/control.sock")
-        try:
-            ctl.bind(control)
-        except zmq.ZMQError as e:
-            raise WorkerStartError(f"ClusterRunner: cannot bind the control endpoint {control}: {e}") from e
-        self.control_endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._open_shm()
-        self._welcome = {
-            "session": self._pub.session,
-            "pub": self._pub.endpoint,
-            "pull": self._pull.endpoint,
-            "heartbeat": hb_address,
-            "store_host": host,
-            "store_port": store_port,
-            "world": list(self.devices),
-            "device_type": self.device_type,
-            "simulate": self.simulate,
-            # NCCL refuses two ranks on one GPU: simulated CUDA ranks use host-staged Gloo
-            "backend": "nccl" if self.device_type == "cuda" and not self.simulate else "gloo",
-            "validate": self.validate,
-            "debug": self._debug,
-            "collective_timeout_s": self._collective_timeout_s,
-            "imports": list(cfg.worker_imports),
-        }
-        self._desk = JoinDesk(
-            ctl,
-            secret=self._secret,
-            session=self._pub.session,
-            members=self.members,
-            welcome=self._welcome_for,
-            on_reject=on_reject,
-        )
-        for d in cfg.local(self.devices):
-            spawn_worker(
-                self.members[d],
-                control_endpoint=self.control_endpoint,
-                secret=self._secret,
-                start_timeout_s=cfg.start_timeout_s,
-                extra_env=cfg.extra_env,
-            )
-        deadline = t0 + cfg.start_timeout_s
-        self._accept_joins(deadline)
-        self._handshake(deadline)
-        self._wait_ready(deadline)
-        for target, name in (
-            (self._receive_loop, "dtorch-cluster-recv"),
-            (self._watch_procs, "dtorch-cluster-procs"),
-        ):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
-        log.info(
-            "ClusterRunner: %d workers ready in %.2f s (control %s)",
-            len(self.devices),
-            time.monotonic() - t0,
-            self.control_endpoint,
-        )
-
-    def _open_shm(self) -> None:
-        """The shared-memory store of local workers (removed at shutdown; stale ones of dead controllers first)."""
-        if self.config.shm_threshold <= 0 or not any(True for _ in self.config.local(self.devices)):
-            return
-        try:
-            cleanup_stale()
-            self._shm = ShmTensorStore(timeout_s=0)
-        except OSError as e:
-            log.warning("ClusterRunner: no shared-memory store (%s): every tensor travels as ZMQ frames", e)
-
-    def _welcome_for(self, m: Member) -> dict[str, Any]:
-        if m.local and self._shm is not None:
-            return dict(self._welcome, shm=str(self._shm.path), shm_threshold=self.config.shm_threshold)
-        return self._welcome
-
-    def _accept_joins(self, deadline: float) -> None:
-        desk = self._desk
-        assert desk is not None
-        while any(m.identity is None for m in self.members.values()):
-            desk.check_spawned()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerStartError(
-                    f"ClusterRunner: workers did not join {self.control_endpoint} within "
-                    f"{self.config.start_timeout_s:g} s: {desk.missing('join')}. Start remote workers with "
-                    f"`dtorch worker --controller {self.control_endpoint} --secret-file F --devices ...`, or raise "
-                    "DTORCH_WORKER_START_TIMEOUT_S."
-                )
-            desk.serve(min(left, _POLL_S))
-
-    def _handshake(self, deadline: float) -> None:
-        """PUB/SUB handshake, in slices: a local worker that exits meanwhile fails start-up at once."""
-        assert self._pub is not None and self._pull is not None and self._desk is not None
-        ids = [m.worker_id for m in self.members.values()]
-        while True:
-            self._desk.check_spawned()
-            left = deadline - time.monotonic()
-            try:
-                self._pub.handshake(self._pull, workers=ids, timeout=max(0.1, min(left, 1.0)))
-                return
-            except HandshakeTimeoutError as e:
-                if left <= 1.0:
-                    raise WorkerStartError(
-                        f"ClusterRunner: PUB/SUB handshake: no acknowledgement from {list(e.missing)} within "
-                        f"{self.config.start_timeout_s:g} s of start-up: check that they connect to "
-                        f"{self._pub.endpoint} and {self._pull.endpoint} with the same cluster secret"
-                    ) from e
-            except TransportError as e:
-                raise WorkerStartError(f"ClusterRunner: {e}") from e
-
-    def _wait_ready(self, deadline: float) -> None:
-        pull = self._pull
-        assert pull is not None
-        desk = self._desk
-        assert desk is not None
-        while not all(m.ready for m in self.members.values()):
-            desk.check_spawned()
-            desk.serve(0)
-            if self.failure is not None:
-                raise WorkerStartError(f"ClusterRunner: a worker failed during start-up: {self.failure}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerStartError(
-                    f"ClusterRunner: workers not ready within {self.config.start_timeout_s:g} s (their "
-                    f"collectives rendezvous did not finish): {desk.missing('ready')}"
-                )
-            msg = pull.recv(min(left, _POLL_S))
-            if msg is not None:
-                self._handle(msg)
 
     # --- work ---------------------------------------------------------------------------------------------------
     def submit(self, batch: Sequence[Instruction]) -> None:
@@ -319,14 +168,41 @@ class ClusterRunner:
             raise ValueError(f"ClusterRunner: no worker for device {device} (devices {list(self.devices)})")
         if self.failure is not None:
             raise self.failure
+        body = self._upload_body(m, key, value)
+        try:
+            self._send_control(m, body, kind=MessageKind.VALUE)
+        except BaseException:
+            if is_ipc_body(body):  # never sent: nobody will open it
+                self._ipc.release(IpcAck(key, ok=False, opened=False, error="not sent"))
+            raise
+
+    def _upload_body(self, m: Member, key: Any, value: Any) -> dict[str, Any]:
+        """The ``VALUE`` body of an upload to ``m``: a CUDA IPC handle, a shared-memory file or frames."""
+        threshold = self.config.shm_threshold
+        route = tensor_route(
+            value, same_host=m.local, threshold=threshold, shm=self._shm is not None, cuda_ipc=m.cuda_ipc
+        )
+        if route is Route.CUDA_IPC:
+            device = torch.device("cuda", m.cuda_index) if m.cuda_index is not None else None
+            try:
+                body = self._ipc.share(key, value, device=device)  # on the worker's GPU, held until it copied
+                self.cuda_ipc_counts["sent"] += 1
+                return body
+            except CudaIpcError as e:
+                log.warning("ClusterRunner: %s; CUDA IPC off for %s (host memory instead)", e, m.worker_id)
+                m.cuda_ipc = False
+                self.cuda_ipc_counts["fallback"] += 1
         shm = self._shm if m.local else None
-        body = value_body(key, value, shm=shm, threshold=self.config.shm_threshold, direction="u")
-        assert self._desk is not None and self._control is not None
+        return value_body(key, value, shm=shm, threshold=threshold, direction="u")
+
+    def _send_control(self, m: Member, body: dict[str, Any], *, kind: MessageKind) -> None:
+        """Send ``body`` to ``m`` on its control socket (uploads, CUDA IPC acknowledgements)."""
+        assert self._desk is not None and self._control is not None and m.identity is not None
         with self._lock:
             if self.failure is not None:
                 raise self.failure
             m.seq += 1
-            frames = self._desk.encode(body, kind=MessageKind.VALUE, seq=m.seq)
+            frames = self._desk.encode(body, kind=kind, seq=m.seq)
             self._control.send_multipart([m.identity, *frames], copy=False)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -373,12 +249,16 @@ class ClusterRunner:
         body = msg.body if isinstance(msg.body, dict) else {}
         if msg.kind == MessageKind.VALUE:
             try:
-                shm = self._shm if m.local else None
-                key, value = value_from_body(body, device=m.device, shm=shm, direction="f")
+                if m.local and is_ipc_body(body):
+                    kv = self._receive_ipc(m, body)
+                else:
+                    shm = self._shm if m.local else None
+                    kv = value_from_body(body, device=m.device, shm=shm, direction="f")
             except Exception as e:  # noqa: BLE001
                 self._on_reject(TransportError(f"bad VALUE from {m.worker_id}: {e}"))
                 return
-            self.store.deliver(key, value)
+            if kv is not None:
+                self.store.deliver(*kv)
             if isinstance(body.get("ack"), int):  # the batch that ended with this reply is done
                 with self._acks:
                     m.acked = body["ack"]
@@ -386,6 +266,10 @@ class ClusterRunner:
         elif msg.kind == MessageKind.ACK:
             if body.get("ready"):
                 m.ready = True
+                if isinstance(body.get("cuda_index"), int):
+                    m.cuda_index = body["cuda_index"]
+            elif "ipc_done" in body:
+                self._ipc_acknowledged(m, body)
             elif isinstance(body.get("ack"), int):
                 with self._acks:
                     m.acked = body["ack"]
@@ -398,6 +282,46 @@ class ClusterRunner:
                     f"worker {m.worker_id} on host {m.host!r} failed and left the cluster: {body.get('fatal', body)}"
                 )
                 self._on_failure(err)
+
+    def _receive_ipc(self, m: Member, body: dict[str, Any]) -> tuple[Any, torch.Tensor] | None:
+        """A fetched value ``m`` shared through CUDA IPC: copied here, then acknowledged (``None``: could not
+        open it; ``m`` resends it through host memory)."""
+        key = key_from_wire(body.get("key"))
+        try:
+            value = open_copy(body["cuda_ipc"])  # a tensor of this process, on the worker's GPU
+        except CudaIpcError as e:
+            log.warning("ClusterRunner: %s; CUDA IPC off for %s (host memory instead)", e, m.worker_id)
+            m.cuda_ipc = False
+            self.cuda_ipc_counts["fallback"] += 1
+            self._send_control(m, ack_body(key, error=e), kind=MessageKind.ACK)
+            return None
+        self.cuda_ipc_counts["received"] += 1
+        self._send_control(m, ack_body(key), kind=MessageKind.ACK)
+        return key, value
+
+    def _ipc_acknowledged(self, m: Member, body: dict[str, Any]) -> None:
+        """``m`` copied an upload shared through CUDA IPC (drop it) or could not open it (resend it)."""
+        try:
+            ack = parse_ack(body)
+        except TensorStoreError as e:
+            self._on_reject(TransportError(f"bad ACK from {m.worker_id}: {e}"))
+            return
+        held = self._ipc.release(ack)
+        if ack.ok or held is None:
+            return
+        log.warning(
+            "ClusterRunner: %s could not open %r (%s); resending it through host memory",
+            m.worker_id,
+            ack.key,
+            ack.error,
+        )
+        m.cuda_ipc = False
+        self.cuda_ipc_counts["fallback"] += 1
+        try:
+            torch.cuda.synchronize(held.device)  # its copy ran on the uploading thread's stream
+            self._send_value(m.device, ack.key, held)
+        except Exception as e:  # noqa: BLE001 - the cluster failed meanwhile: the upload's reader gets that
+            log.debug("ClusterRunner: resend of %r failed: %s", ack.key, e)
 
     def _watch_procs(self) -> None:
         """Local workers: a process that exits without being asked is lost (faster than any heartbeat)."""
@@ -475,6 +399,11 @@ class ClusterRunner:
                 self._monitor.forget(m.worker_id)
         deadline = time.monotonic() + (timeout if graceful else _EXIT_GRACE_S)
         reap_local_workers(self.members.values(), deadline)
+        dropped = self._ipc.drop(consumers_gone=True)  # after the reap: no worker can still be copying
+        if dropped:
+            log.info(
+                "ClusterRunner: dropped %d CUDA tensors shared with workers that never copied them", dropped
+            )
         remote = [m.worker_id for m in self.members.values() if m.proc is None and m.identity is not None]
         if self._monitor is not None:
             # stopping the monitor cancels the streams: let remote workers see SHUTDOWN and say goodbye first
@@ -509,4 +438,4 @@ class ClusterRunner:
         return f"ClusterRunner(devices={list(self.devices)}, {self.device_type}, {state})"
 
 
-__all__ += ["HeartbeatError", "WorkerHangError", "WorkerLostError"]
+__all__ += ["HeartbeatError", "WorkerFailedError", "WorkerHangError", "WorkerLostError", "WorkerStartError"]

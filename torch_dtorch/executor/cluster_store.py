@@ -15,10 +15,14 @@ Between processes of one host, tensors of at least ``DTORCH_SHM_THRESHOLD_BYTES`
 writes the value there, under a name derived from its key and direction (``u``: upload, ``f``: fetched value),
 before sending the signed ``VALUE`` message that names it; the receiver claims (pops) it on that message. The name
 never comes from the message (only the key, an int pair), and the directory is private to this user (0700).
+
+CUDA tensors of that size between the controller and the workers it started travel as CUDA IPC handles instead
+(:mod:`~torch_dtorch.executor.cluster_ipc`). :func:`choose_route` is the one decision between the three routes.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from collections.abc import Callable
@@ -33,7 +37,7 @@ from torch_dtorch.executor.cluster_protocol import decode_error, encode_error
 from torch_dtorch.runtime.blob import KernelError
 from torch_dtorch.runtime.kernel import PoisonBoard
 
-__all__ = ["ControllerStore", "StorePoisonBoard", "WorkerStore"]
+__all__ = ["ControllerStore", "Route", "StorePoisonBoard", "WorkerStore", "choose_route", "tensor_route"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,47 @@ class WorkerStore(_InboxStore):
         return f"WorkerStore(device={self.device})"
 
 
+class Route(enum.StrEnum):
+    """How one value travels between the controller and a worker."""
+
+    FRAMES = "frames"  # its bytes as ZMQ frames of the signed message (every peer)
+    SHM = "shm"  # a file in the controller's shared-memory directory (processes of one host)
+    CUDA_IPC = "cuda_ipc"  # a CUDA IPC handle; the receiver copies, then acknowledges (processes of one host)
+
+
+def choose_route(
+    *, device_type: str, nbytes: int, same_host: bool, threshold: int, shm: bool, cuda_ipc: bool
+) -> Route:
+    """The route of a tensor of ``nbytes`` bytes on ``device_type``.
+
+    Args:
+        same_host: the peer is a process this controller started on this host (remote workers, even on this
+            host, never share memory with it).
+        threshold: tensors smaller than this travel as frames (``DTORCH_SHM_THRESHOLD_BYTES``; ``<= 0``: always).
+        shm: a shared-memory store is attached on both sides.
+        cuda_ipc: CUDA IPC is on for this peer (``DTORCH_CUDA_IPC``, CUDA on both sides, no failure so far).
+    """
+    if not same_host or threshold <= 0 or nbytes < threshold:
+        return Route.FRAMES
+    if device_type == "cuda" and cuda_ipc:
+        return Route.CUDA_IPC
+    return Route.SHM if shm else Route.FRAMES
+
+
+def tensor_route(value: Any, *, same_host: bool, threshold: int, shm: bool, cuda_ipc: bool) -> Route:
+    """:func:`choose_route` for ``value`` (anything but a strided tensor travels as frames)."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return Route.FRAMES
+    return choose_route(
+        device_type=value.device.type,
+        nbytes=value.numel() * value.element_size(),
+        same_host=same_host,
+        threshold=threshold,
+        shm=shm,
+        cuda_ipc=cuda_ipc,
+    )
+
+
 def shm_key(key: StoreKey, direction: str) -> str:
     """The shared-memory store key of ``key`` sent in ``direction`` (``"u"`` upload, ``"f"`` fetched value)."""
     return f"{direction}-{TensorStore.key_str(key)}"
@@ -153,7 +198,11 @@ def value_body(
         raise TensorStoreError(
             f"only tensors and errors travel through the store, got {type(value).__name__}"
         )
-    if shm is not None and value.numel() * value.element_size() >= threshold > 0:
+    route = tensor_route(
+        value, same_host=shm is not None, threshold=threshold, shm=shm is not None, cuda_ipc=False
+    )
+    if route is Route.SHM:
+        assert shm is not None
         shm.put(shm_key(key, direction), value)
         return {"key": wire_key(key), "shm": direction}
     return {"key": wire_key(key), "tensor": value}
@@ -168,6 +217,11 @@ def value_from_body(
     key = key_from_wire(body["key"])
     if "error" in body:
         return key, decode_error(body["error"], device=device)
+    if "cuda_ipc" in body:  # the caller opens those (cluster_ipc) when CUDA IPC is on for this peer
+        raise TensorStoreError(
+            f"VALUE message for {key!r} from device {device} carries a CUDA IPC handle, but CUDA IPC is off "
+            "on this side"
+        )
     if "shm" in body:
         if shm is None or body["shm"] != direction:
             raise TensorStoreError(

@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from torch_dtorch.collectives.errors import TensorStoreTimeout
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.placement import Placement
@@ -67,12 +69,15 @@ class ValueResolver:
         if errors:
             req.future.set_exception(errors[0])
             return
+        device = self._executor.result_device
         if req.local is not None:
             result = by_device[req.local]
         else:
             shards = {c: by_device[d] for c, d in req.source.items()}
+            if len({t.device for t in shards.values()}) > 1:  # e.g. CUDA IPC shards from several GPUs
+                target = device if device is not None else torch.device("cpu")
+                shards = {c: t.to(target) for c, t in shards.items()}
             result = assemble(shards, req.mesh_shape, req.placements, check_replicas=False)
-        device = self._executor.result_device
         if device is not None:
             result = result.to(device)
         req.future.set_result(result)

@@ -19,7 +19,9 @@ not taken for its death: exit code 0), when the controller goes away (heartbeat)
 
 Tensors of at least ``shm_threshold`` bytes travel through the controller's shared-memory store when the
 ``WELCOME`` names one (local workers only): the signed message then carries the key, the bytes go through a file in
-a private (0700) directory under ``/dev/shm``.
+a private (0700) directory under ``/dev/shm``; CUDA tensors of that size travel as CUDA IPC handles when the
+``WELCOME`` says ``cuda_ipc`` (:mod:`.cluster_ipc`: this process copies uploads onto its GPU, and holds the fetched
+values it shares until the controller acknowledged its copy).
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class WorkerProcess:
         self.welcome: dict[str, Any] = {}
         self.shm: Any = None  # ShmTensorStore attached to the controller's directory (local workers)
         self.shm_threshold = 0
+        self.ipc: Any = None  # WorkerIpc when CUDA tensors travel as CUDA IPC handles (local CUDA workers)
         #: on the kernel thread: the batch whose last instruction runs now (acknowledged with its reply)
         self.ack_with_value: int | None = None
 
@@ -232,6 +235,7 @@ class WorkerProcess:
 
         from torch_dtorch.collectives.torchdist import TorchDistComm
         from torch_dtorch.config import get_config
+        from torch_dtorch.executor.cluster_ipc import CudaFetchWorker, WorkerIpc
         from torch_dtorch.executor.cluster_store import StorePoisonBoard, WorkerStore
         from torch_dtorch.executor.worker import Worker
         from torch_dtorch.runtime.stream import KernelStream
@@ -240,6 +244,7 @@ class WorkerProcess:
         cfg = get_config()
         cfg.debug = bool(w.get("debug", cfg.debug))
         device_type = str(w["device_type"])
+        worker_cls: type[Worker] = Worker
         if device_type == "cuda":
             index = (
                 0
@@ -248,6 +253,9 @@ class WorkerProcess:
             )
             torch_device = torch.device("cuda", index)
             torch.cuda.set_device(torch_device)
+            send = lambda body, kind: self.pusher.send(body, kind=kind)
+            self.ipc = WorkerIpc.from_welcome(w, device=torch_device, send=send, host_body=self._host_body)
+            worker_cls = Worker if self.ipc is None else CudaFetchWorker
         else:
             torch_device = torch.device("cpu")
         timeout = float(w.get("collective_timeout_s", 300.0))
@@ -273,7 +281,7 @@ class WorkerProcess:
                     timeout_s=timeout,
                     prefix=f"dtorch-{w['session']}",
                 )
-                self.worker = Worker(
+                self.worker = worker_cls(
                     self.device,
                     torch_device,
                     comm,
@@ -301,7 +309,10 @@ class WorkerProcess:
             raise RuntimeError(
                 f"worker {self.worker_id}: building the communicator failed: {failure[0]!r}"
             ) from failure[0]
-        self.pusher.send({"ready": True, "pid": os.getpid()}, kind=MessageKind.ACK)
+        report: dict[str, Any] = {"ready": True, "pid": os.getpid()}
+        if device_type == "cuda":
+            report["cuda_index"] = torch_device.index  # the controller copies CUDA IPC uploads there
+        self.pusher.send(report, kind=MessageKind.ACK)
 
     # --- loops --------------------------------------------------------------------------------------------------
     def _batch_loop(self) -> None:
@@ -342,6 +353,7 @@ class WorkerProcess:
             self._report_reject(TransportError(f"unexpected {msg.kind.name} on the batch stream"))
 
     def _data_loop(self) -> None:
+        from torch_dtorch.executor.cluster_ipc import is_ipc_body
         from torch_dtorch.executor.cluster_store import value_from_body
 
         sock = self.control
@@ -367,29 +379,47 @@ class WorkerProcess:
                     self._fatal(f"lost uploads: expected seq {expected}, got {msg.seq}")
                     return
                 expected += 1
+                ipc = self.ipc
+                if msg.kind == MessageKind.ACK and ipc is not None and isinstance(msg.body, dict):
+                    try:  # the controller copied a fetched value shared by CUDA IPC (or resend it)
+                        ipc.acknowledged(msg.body)
+                    except Exception as e:  # noqa: BLE001
+                        self._report_reject(TransportError(f"bad CUDA IPC acknowledgement: {e}"))
+                    continue
                 if msg.kind != MessageKind.VALUE:
                     self._report_reject(TransportError(f"unexpected {msg.kind.name} on the control socket"))
                     continue
                 try:
-                    key, value = value_from_body(msg.body, device=self.device, shm=self.shm, direction="u")
+                    if ipc is not None and is_ipc_body(msg.body):
+                        kv = ipc.receive(msg.body)  # None: could not open, the controller resends it
+                    else:
+                        kv = value_from_body(msg.body, device=self.device, shm=self.shm, direction="u")
                 except Exception as e:  # noqa: BLE001 - the upload is lost: its Upload instruction will wait
                     self._fatal(f"could not read upload {msg.seq}: {type(e).__name__}: {e}")
                     return
-                self.store.deliver(key, value)
+                if kv is not None:
+                    self.store.deliver(*kv)
         except zmq.ZMQError as e:
             if not self.stop.is_set():
                 log.error("worker %s: control socket failed: %s", self.worker_id, e)
 
     # --- replies ------------------------------------------------------------------------------------------------
     def _send_value(self, device: int, key: Any, value: Any) -> None:
-        from torch_dtorch.executor.cluster_store import value_body
-
-        body = value_body(key, value, shm=self.shm, threshold=self.shm_threshold, direction="f")
+        ipc, body = self.ipc, None
+        if ipc is not None:  # a CUDA IPC handle, or None: another route (or sharing failed)
+            body = ipc.value_body(key, value, shm=self.shm is not None)
+        if body is None:
+            body = self._host_body(key, value)
         ack = self.ack_with_value
         if ack is not None:  # the batch ends with this reply: acknowledge it here (see _BatchRun)
             body["ack"] = ack
             self.ack_with_value = None
         self.pusher.send(body, kind=MessageKind.VALUE)
+
+    def _host_body(self, key: Any, value: Any) -> dict[str, Any]:
+        from torch_dtorch.executor.cluster_store import value_body
+
+        return value_body(key, value, shm=self.shm, threshold=self.shm_threshold, direction="f")
 
     def _report_reject(self, err: TransportError) -> None:
         log.warning("worker %s: dropped a message: %s", self.worker_id, err)
@@ -433,6 +463,8 @@ class WorkerProcess:
             pusher.close_after_flush()
         if self.shm is not None:
             self.shm.close()  # attached: the controller owns (and removes) the directory
+        if self.ipc is not None:
+            self.ipc.close()
 
 
 class _BatchRun:
