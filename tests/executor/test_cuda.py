@@ -94,3 +94,23 @@ def test_factories_on_virtual_gpus(cuda_executor: tuple[EagerGraphExecutor, Devi
     blob = ex.runner.workers[1].blobs[r.id]
     assert blob.tensor is not None and blob.tensor.device == torch.device("cuda", 0)
     assert torch.equal(ex.fetch(r).get(timeout=60), torch.arange(7))
+
+
+def test_manual_seed_before_cuda_is_initialized() -> None:
+    """``torch.manual_seed`` reaches dtorch's generator hooks; in a fresh process with a CUDA mesh in process mode
+    the controller has not initialized CUDA yet (its generators did not exist: IndexError)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch_dtorch as dt\n"
+        "mesh = dt.init_device_mesh('cuda', (2,), simulate=True, mode='process')\n"
+        "torch.manual_seed(0)\n"
+        "a = dt.randn(4, 4, device_mesh=mesh, placements=[dt.Shard(0)])\n"
+        "torch.manual_seed(0)\n"
+        "b = torch.randn(4, 4, device='cuda')\n"
+        "assert torch.equal(a.full_tensor().cuda(), b), (a.full_tensor(), b)\n"
+        "dt.shutdown()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

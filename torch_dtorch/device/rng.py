@@ -40,6 +40,10 @@ def _generator() -> torch.Generator:
     device = _controller_device()
     if device.type == "cpu":
         return torch.default_generator
+    if not torch.cuda.is_initialized():
+        # the generators exist once CUDA is initialized (a process-mode controller may not have touched CUDA yet:
+        # ``torch.manual_seed`` right after ``init_device_mesh("cuda", ...)``)
+        torch.cuda.init()
     return torch.cuda.default_generators[device.index or 0]
 
 
