@@ -158,6 +158,7 @@ def test_large_tensors_travel_through_shared_memory(mesh: dt.DeviceMesh) -> None
         uploads = [k for op, k in calls if op == "put" and str(k).startswith("u-")]
         assert len(uploads) == 3, calls  # one per worker
         assert [k for op, k in calls if op == "pop" and str(k).startswith("f-")], calls  # the fetch came back
+        dt.sync()  # the fetch needed one replica: the other workers may not have taken their upload yet
         assert os.listdir(shm.path) == []  # every value was claimed by its receiver
     finally:
         del shm.put, shm.pop
