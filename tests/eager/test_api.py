@@ -236,7 +236,8 @@ def test_unbound_tensors_compute_on_the_controller_until_a_mesh_appears(
     e = torch.tensor([], device="dtorch")
     f = torch.cat([e, torch.arange(3.0, device="dtorch")]) * 2
     assert operand_of(f).mesh is None
-    assert torch.equal(f.cpu(), torch.tensor([0.0, 2.0, 4.0], device="cpu"))  # (the GPU run's default is cuda)
+    # the value is on the CPU (the GPU run's default device is cuda)
+    assert torch.equal(f.cpu(), torch.tensor([0.0, 2.0, 4.0], device="cpu"))
     x = dt.distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
     y = x + f
     assert y.placements == (Shard(0),)
