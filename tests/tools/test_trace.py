@@ -123,3 +123,37 @@ def test_cuda_spans_are_timed_with_events() -> None:
     for d in (0, 1):  # one compute stream per worker: its kernels follow one another
         mine = sorted((s for s in spans if s.device == d), key=lambda s: s.start)
         assert all(x.end <= y.start + 1e-5 for x, y in zip(mine, mine[1:])), [(s.start, s.end) for s in mine]
+
+
+@thread_only
+def test_a_late_worker_timeline_is_dropped_from_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that only answers after ``collect``'s deadline: its timeline is skipped with a warning and taken out
+    of the store when it arrives (it used to stay there for the rest of the run)."""
+    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.tools import remote_profile
+
+    mesh = init_mesh((2,))
+    ex = get_runtime().executor
+    store = ex.runner.store
+    x = dt.distribute_tensor(torch.ones(4), mesh, [dt.Shard(0)])
+    dt.sync()
+    before = len(store)
+    pid = remote_profile.start(ex, time.perf_counter())
+
+    def slow(instr: Any, device: int) -> None:
+        if device == 1:
+            time.sleep(0.6)
+
+    kernel_mod.before_hooks.append(slow)
+    try:
+        y = x + 1  # worker 1 is busy for 0.6 s: its stop reply comes after the 0.1 s deadline
+        spans, clocks = remote_profile.collect(ex, pid, timeout_s=0.1)
+    finally:
+        kernel_mod.before_hooks.remove(slow)
+    assert 1 not in clocks
+    dt.sync()  # worker 1 has now put its (late) timeline in the store
+    deadline = time.monotonic() + 5.0
+    while len(store) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(store) == before
+    assert y.full_tensor().tolist() == [2.0] * 4

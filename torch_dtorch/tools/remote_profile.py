@@ -194,6 +194,8 @@ def collect(executor: Any, profile_id: int, *, timeout_s: float) -> tuple[list[S
         log.warning(
             "dtorch.profile: no timeline from worker(s) %s (%s); keeping the spans that arrived", pending, why
         )
+        if failure is None:
+            _drop_late_replies(store, [(key, d) for d in pending])
     spans: list[Span] = []
     clocks: dict[int, WorkerClock] = {}
     here = _local_host()
@@ -212,6 +214,26 @@ def collect(executor: Any, profile_id: int, *, timeout_s: float) -> tuple[list[S
         if not body.get("started", True):
             log.warning("dtorch.profile: worker %d never received the start of this profile", d)
     return spans, clocks
+
+
+#: how long a late timeline (a worker that was only slow) is waited for in the background, to be dropped
+LATE_REPLY_GRACE_S = 120.0
+
+
+def _drop_late_replies(store: Any, keys: list[Any]) -> None:
+    """Take the replies that may still arrive for ``keys`` out of the store, in a daemon thread, so a slow worker's
+    timeline does not stay there for the rest of the run (each key is waited for at most
+    :data:`LATE_REPLY_GRACE_S`)."""
+
+    def drain() -> None:
+        deadline = time.monotonic() + LATE_REPLY_GRACE_S
+        for k in keys:
+            try:
+                store.pop(k, max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001, S112 - never came (dead worker, closed store): nothing to drop
+                continue
+
+    threading.Thread(target=drain, name="dtorch-profile-late-replies", daemon=True).start()
 
 
 def _local_host() -> str:
