@@ -20,14 +20,13 @@ import torch
 
 from torch_dtorch.config import get_config
 from torch_dtorch.executor.constructor import (
-    REDISTRIBUTE,
     BoundOp,
     GraphConstructor,
     RedistributeSpec,
     planned_outputs,
 )
-from torch_dtorch.executor.fast import FastPlan
-from torch_dtorch.executor.messages import FastRun, Instruction, Redistribute, RunOp
+from torch_dtorch.executor.fast import FastPlan, replay_moves
+from torch_dtorch.executor.messages import FastRun, Instruction, RunOp
 from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements
@@ -168,23 +167,16 @@ class PlannedRecording:
     def _replay_moves(
         self, call: OpCall, moves: Sequence[tuple[int, int, RedistributeSpec]], call_site: str | None
     ) -> OpCall:
-        # callers hold self._lock; the inline form of GraphConstructor.emit_redistribute for each moved input
+        # callers hold self._lock
         g = self.constructor.graph
-        inputs = list(call.inputs)
-        args = list(call.args)
-        for slot, pos, spec in moves:
-            x = inputs[slot]
-            assert x is not None
-            y = Operand(g._next_operand, x.shape, x.dtype, spec.out_mesh, spec.out_placements, None, None, [],
-                        None, None, x.requires_grad, None, x)  # fmt: skip
-            g._next_operand += 1
-            node = Operator(g._next_operator, REDISTRIBUTE, (x,), {}, [x], [y], "collective", spec.assign,
-                            spec.cost, spec.note, spec.plan)  # fmt: skip
-            g._next_operator += 1
-            self._append(Redistribute(node, call_site))
-            inputs[slot] = y
-            args[pos] = y
-        return OpCall(call.op, tuple(args), call.kwargs, inputs, call.mesh, call.placements, call.out_meta)
+        moved, args, inputs = replay_moves(
+            moves, call.args, list(call.inputs), g._next_operand, g._next_operator, call_site
+        )
+        g._next_operand += len(moved)
+        g._next_operator += len(moved)
+        for instr in moved:
+            self._append(instr)
+        return OpCall(call.op, args, call.kwargs, inputs, call.mesh, call.placements, call.out_meta)
 
 
 def user_call_site() -> str | None:

@@ -24,7 +24,34 @@ from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements
 from torch_dtorch.placement_rules import OpCall, OpRule
 
-__all__ = ["FastPlan"]
+__all__ = ["FastPlan", "replay_moves"]
+
+
+def replay_moves(
+    moves: Sequence[tuple[int, int, RedistributeSpec]],
+    args: tuple[Any, ...],
+    inputs: list[Operand | None],
+    first_id: int,
+    first_op: int,
+    call_site: str | None,
+) -> tuple[list[Redistribute], tuple[Any, ...], list[Operand | None]]:
+    """The ``Redistribute`` of every moved input (operand ids from ``first_id``, operator ids from ``first_op``) and
+    the call's ``args``/``inputs`` with the moved copies in their places: the inline form of
+    ``GraphConstructor.emit_redistribute``, shared by the fast path's expansion and the executor's planned calls."""
+    inputs = list(inputs)
+    largs = list(args)
+    out: list[Redistribute] = []
+    for k, (slot, pos, spec) in enumerate(moves):
+        x = inputs[slot]
+        assert x is not None
+        y = Operand(first_id + k, x.shape, x.dtype, spec.out_mesh, spec.out_placements, None, None, [], None, None,
+                    x.requires_grad, None, x)  # fmt: skip
+        node = Operator(first_op + k, REDISTRIBUTE, (x,), {}, [x], [y], "collective", spec.assign, spec.cost,
+                        spec.note, spec.plan)  # fmt: skip
+        out.append(Redistribute(node, call_site))
+        inputs[slot] = y
+        largs[pos] = y
+    return out, tuple(largs), inputs
 
 
 class FastPlan:
@@ -90,7 +117,7 @@ class FastPlan:
         self.compact = not (self.view_of is not None and any(slot == self.view_of for slot, _, _ in moves))
 
     def call(self, args: tuple[Any, ...], inputs: list[Operand | None]) -> OpCall:
-        """The :class:`OpCall` of one call of this plan (before its moves)."""
+        """The :class:`OpCall` of one call of this plan on ``args``/``inputs``."""
         return OpCall(
             self.op, args, self.kwargs, inputs, self.root_mesh, list(self.in_placements), self.out_meta
         )
@@ -120,24 +147,11 @@ class FastPlan:
         out: list[Instruction] = []
         oid, opid = run.first_id, run.first_op
         if self.moves:
-            inputs = list(inputs)
-            largs = list(args)
-            for slot, pos, spec in self.moves:
-                x = inputs[slot]
-                assert x is not None
-                y = Operand(oid, x.shape, x.dtype, spec.out_mesh, spec.out_placements, None, None, [], None, None,
-                            x.requires_grad, None, x)  # fmt: skip
-                node = Operator(opid, REDISTRIBUTE, (x,), {}, [x], [y], "collective", spec.assign, spec.cost,
-                                spec.note, spec.plan)  # fmt: skip
-                out.append(Redistribute(node, call_site))
-                inputs[slot] = y
-                largs[pos] = y
-                oid += 1
-                opid += 1
-            args = tuple(largs)
-        call = OpCall(
-            self.op, args, self.kwargs, inputs, self.root_mesh, list(self.in_placements), self.out_meta
-        )
+            moved, args, inputs = replay_moves(self.moves, args, inputs, oid, opid, call_site)
+            out.extend(moved)
+            oid += len(moved)
+            opid += len(moved)
+        call = self.call(args, inputs)
         node = Operator(opid, self.op, args, self.kwargs, inputs, run.outputs, self.rule.family, self.assign,
                         self.cost, "", BoundOp(self.rule, call))  # fmt: skip
         out.append(RunOp(node, call_site))
