@@ -3,7 +3,9 @@
 The model is diffusers' ``FluxTransformer2DModel`` with the public FLUX.1-dev configuration (19 double + 38 single
 blocks, 24 heads x 128, joint_attention_dim 4096, pooled 768, guidance embeddings) and **random** bf16 weights created
 directly on the GPU (nothing is downloaded). A 1024x1024 image is 4096 packed latent tokens (64 channels), the prompt
-512 T5 tokens. Measured, after warm-up, as the median of ``--steps`` forward steps (each synchronized):
+512 T5 tokens. Both are compiled first, then timed in ``--rounds`` alternating rounds (warm-up, then ``--steps`` synchronized
+forward steps each; the order flips every round), and each is the median of all its timed steps — a GPU whose clock
+drifts during the run (warming up, power limits) then affects both alike:
 
 - (a) ``torch.compile(model)`` — inductor on plain CUDA tensors;
 - (b) ``torch.compile(model, backend="dtorch", options={"worker_compiler": "inductor"})`` on a 1-device CUDA mesh in
@@ -21,6 +23,7 @@ Runs on torch 2.11+ with diffusers importable (``PYTHONPATH=...``).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import logging
 import statistics
@@ -106,8 +109,8 @@ def make_inputs(
 
 def time_steps(
     step: Callable[[], Any], sync: Callable[[], None], warmup: int, steps: int
-) -> tuple[float, Any]:
-    """(median seconds per synchronized step, the last output) after ``warmup`` untimed steps."""
+) -> tuple[list[float], Any]:
+    """(seconds of each synchronized step, the last output) after ``warmup`` untimed steps."""
     out = None
     for _ in range(warmup):
         out = step()
@@ -119,7 +122,27 @@ def time_steps(
         out = step()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return times, out
+
+
+def profile_steps(label: str, step: Callable[[], Any], sync: Callable[[], None], steps: int) -> None:
+    """Profile ``steps`` synchronized steps: wall time, GPU kernel time and the top kernels (what separates the two
+    compiles when their step times differ)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+            sync()
+        wall = (time.perf_counter() - t0) / steps
+    # the table's footer carries the total GPU kernel time ("Self CUDA time total") of the profiled steps
+    log.info("%s profile: %d steps, %.2f ms wall/step", label, steps, wall * 1e3)
+    log.info(
+        "%s",
+        prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70),
+    )
 
 
 def distribute_module(model: torch.nn.Module, mesh: Any) -> None:
@@ -150,10 +173,20 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of (a) then (b), alternating which goes first"
+    )
     parser.add_argument("--image-tokens", type=int, default=None, help="default 4096 (1024x1024); 64 on CPU")
     parser.add_argument("--text-tokens", type=int, default=None, help="default 512; 16 on CPU")
     parser.add_argument("--worker-compiler", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N steps of each and print the top kernels",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -193,21 +226,16 @@ def main() -> None:
     # (a) inductor on plain tensors
     with torch.no_grad():
         t0 = time.perf_counter()
-        compiled = torch.compile(model)
-        compiled(**inputs, return_dict=False)
+        compiled_a = torch.compile(model)
+        compiled_a(**inputs, return_dict=False)
         sync()
         log.info("(a) inductor: first call (compile) %.1f s", time.perf_counter() - t0)
-        t_inductor, ref = time_steps(
-            lambda: compiled(**inputs, return_dict=False)[0], sync, args.warmup, args.steps
-        )
-    ref = ref.float().cpu()
-    del compiled
-    torch._dynamo.reset()
-    gc.collect()
 
-    # (b) dtorch on a 1-device mesh (thread mode), inductor on the worker
+    # (b) dtorch on a 1-device mesh (thread mode), inductor on the worker, on a copy of the same weights (both are
+    # kept so that the two are timed alternately: a GPU warming up or throttling during a run affects both equally)
     mesh = dt.init_device_mesh(args.device, (1,), mode="thread")
-    distribute_module(model, mesh)  # the plain weights are dropped as their dtorch copies are made
+    model_b = copy.deepcopy(model)
+    distribute_module(model_b, mesh)  # the copy's plain weights are dropped as their dtorch copies are made
     gc.collect()
     if not cpu:
         torch.cuda.empty_cache()
@@ -216,12 +244,12 @@ def main() -> None:
     with torch.no_grad():
         t0 = time.perf_counter()
         # the backend function itself: works with PYTHONPATH alone (no installed entry point)
-        compiled = torch.compile(
-            model,
+        compiled_b = torch.compile(
+            model_b,
             backend=dtorch_backend,
             options={"worker_compiler": args.worker_compiler, "reports": reports},
         )
-        compiled(**din, return_dict=False)[0]
+        compiled_b(**din, return_dict=False)[0]
         dt.sync()
         sync()
         log.info(
@@ -232,9 +260,36 @@ def main() -> None:
             dt.sync()
             sync()
 
-        t_dtorch, out = time_steps(
-            lambda: compiled(**din, return_dict=False)[0], dsync, args.warmup, args.steps
-        )
+        def step_a() -> Any:
+            return compiled_a(**inputs, return_dict=False)[0]
+
+        def step_b() -> Any:
+            return compiled_b(**din, return_dict=False)[0]
+
+        times_a: list[float] = []
+        times_b: list[float] = []
+        ref = out = None
+        for r in range(args.rounds):
+            # alternate which goes first, so neither always follows the other
+            order = [(step_a, sync, times_a), (step_b, dsync, times_b)]
+            for step, sync_fn, times in order if r % 2 == 0 else order[::-1]:
+                result = time_steps(step, sync_fn, args.warmup, args.steps)
+                times.extend(result[0])
+                log.info(
+                    "round %d %s: median %.2f ms", r, "(a)" if step is step_a else "(b)",
+                    statistics.median(result[0]) * 1e3,
+                )  # fmt: skip
+                if step is step_a:
+                    ref = result[1]
+                else:
+                    out = result[1]
+        t_inductor = statistics.median(times_a)
+        t_dtorch = statistics.median(times_b)
+        if args.profile:
+            profile_steps("(a) inductor", step_a, sync, args.profile)
+            profile_steps("(b) dtorch", step_b, dsync, args.profile)
+        assert ref is not None and out is not None
+        ref = ref.float().cpu()
         out = out.full_tensor().float().cpu()
     errors = [r.error for r in reports if r.error]
     log.info("(b) compiled graphs: %d%s", len(reports), f"; NOT compiled: {errors}" if errors else "")

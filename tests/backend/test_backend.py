@@ -126,6 +126,40 @@ def test_one_message_per_call_and_async() -> None:
         torch.testing.assert_close(y.full_tensor(), ref)
 
 
+def test_compiled_call_starts_on_workers_at_once() -> None:
+    """A compiled call is sent to the workers when it is made: no waiting for later ops, the flush timer or a
+    value request (with a one-hour timer, the workers still see the ``RunProgram`` right away)."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 8)
+    with torch.no_grad():
+        ref = model(x)
+        mesh = _mesh(2)
+        distribute_module(model, mesh, tp_mlp_plan())
+        dx = dt.distribute_tensor(x, mesh, [Replicate()])
+        compiled = torch.compile(model, backend="dtorch")
+        compiled(dx).full_tensor()  # compile + load
+        from torch_dtorch.device.state import get_runtime
+        from torch_dtorch.runtime import kernel
+
+        executor = get_runtime().executor
+        interval, executor.flush_interval = executor.flush_interval, 3600.0
+        seen = threading.Event()
+
+        def hook(instr: object, device: int) -> None:
+            if type(instr).__name__ == "RunProgram":
+                seen.set()
+
+        kernel.before_hooks.append(hook)
+        try:
+            y = compiled(dx)
+            assert seen.wait(10), "the RunProgram waited in the controller's batch"
+            assert not executor._pending
+        finally:
+            kernel.before_hooks.remove(hook)
+            executor.flush_interval = interval
+        torch.testing.assert_close(y.full_tensor(), ref)
+
+
 def test_graph_break_falls_back_to_eager() -> None:
     class Broken(MLP):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

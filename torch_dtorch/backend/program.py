@@ -277,7 +277,12 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
                     fn = fns[index]
                     if fn is None:
                         fn = _compile_segment(loaded, index, step, args)
-                    outs = fn(*args)
+                        outs = fn(*args)
+                    elif loaded.compiler == "inductor":
+                        with _compat.default_device_mode_off():  # compiled code names its devices
+                            outs = fn(*args)
+                    else:
+                        outs = fn(*args)
                 except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
                     err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site,
                                       detail=f"in compute segment {index}")  # fmt: skip

@@ -151,7 +151,7 @@ class CompiledGraph:
         in_ids.extend(variant.constant_ids)
         ins = tuple(in_ids)
         outs = rt.executor.append_with_outputs(
-            variant.out_specs, lambda ys: RunProgram(pid, ins, tuple([y.id for y in ys]))
+            variant.out_specs, lambda ys: RunProgram(pid, ins, tuple([y.id for y in ys])), flush=True
         )
         args.clear()  # boxed convention: drop the inputs early
         gen = rt.generation

@@ -151,10 +151,13 @@ class EagerGraphExecutor(PlannedRecording):
         self,
         specs: Sequence[tuple[tuple[int, ...], torch.dtype, DeviceMesh, Placements, tuple[int, ...] | None]],
         make: Callable[[list[Operand]], Any],
+        *,
+        flush: bool = False,
     ) -> list[Operand]:
         """New operands of known metadata (``(shape, dtype, mesh, placements, stride)`` each) and the instruction
         ``make(operands)`` that fills them, queued in issue order under one lock acquisition (the compile backend's
-        ``RunProgram``: one call, one instruction)."""
+        ``RunProgram``: one call, one instruction). With ``flush`` the batch is sent at once: a whole compiled
+        program should start on the workers now, not when later small ops fill the batch or the timer fires."""
         with self._lock:
             if self._closed:
                 self._check_open()
@@ -166,6 +169,8 @@ class EagerGraphExecutor(PlannedRecording):
                 for o in outs:
                     g.operands[o.id] = o
             self._append(make(outs))
+            if flush:
+                self._flush_locked()
             return outs
 
     def _on_operator(self, node: Operator) -> None:
