@@ -3,7 +3,8 @@
 Two numbers, for a chain of N elementwise ops on Shard(0) inputs (the input count stays fixed while N grows):
 
 - **controller µs/call**: time per call of the compiled model minus the same model under a no-op dynamo backend
-  (one that returns preallocated outputs: dynamo's own guards and frame cost). Target ≤ 50 µs, flat in N.
+  (one that returns preallocated outputs: dynamo's own guards and frame cost), the workers held at a gate while
+  timing. Target ≤ 50 µs, flat in N.
 - **replay ratio**: one worker's program handler per call ÷ the same compute segments run directly in torch on the
   same shards (both in the main thread, workers idle: the chain has no collective). Target ≤ 1.1.
 
@@ -27,6 +28,7 @@ import torch
 import torch_dtorch as dt
 from torch_dtorch import Shard
 from torch_dtorch.backend import dtorch_backend
+from torch_dtorch.device.state import get_runtime
 
 log = logging.getLogger("bench.compile_overhead")
 
@@ -72,7 +74,7 @@ def noop_backend(out: torch.Tensor) -> Callable[..., Any]:
 def replay_times(worker: Any, x: torch.Tensor, y: torch.Tensor, repeat: int) -> tuple[float, float]:
     """(seconds per replay of the newest program through the worker's handler, seconds to run the same compute
     segments directly), both in this thread with the workers idle (the chain has no collective), best of
-    ``repeat`` loops: the replay overhead without the GIL contention of four worker threads on two cores."""
+    ``repeat`` loops of each, taken in alternation: the replay overhead without the GIL contention of four worker threads on two cores."""
     from torch_dtorch.backend.program import _PROGRAMS, RunProgram, _execute
     from torch_dtorch.device.kernels import operand_of
 
@@ -83,19 +85,25 @@ def replay_times(worker: Any, x: torch.Tensor, y: torch.Tensor, repeat: int) -> 
     instr = RunProgram(pid, (operand_of(x).id, operand_of(y).id), (-1,))
     local = [x.to_local(worker.device), y.to_local(worker.device)]
     steps = list(loaded.program.steps)
-    replay = per_call(lambda: _execute(worker, loaded, instr), 20, time.perf_counter, repeat=repeat)
-    direct = per_call(lambda: [s.gm(*local) for s in steps], 20, time.perf_counter, repeat=repeat)
+    replay = direct = float("inf")
+    for _ in range(repeat):  # in alternation, like the controller figures
+        replay = min(replay, per_call(lambda: _execute(worker, loaded, instr), 20))
+        direct = min(direct, per_call(lambda: [s.gm(*local) for s in steps], 20))
     worker.blobs.pop(-1, None)
     return replay, direct
 
 
 def interleaved(fns: list[Callable[[], Any]], calls: int, repeat: int) -> list[float]:
     """Per-call seconds of each function with the workers held at a gate, measured in alternation (so load changes
-    on the shared machine hit all alike), best of ``repeat`` rounds."""
+    on the shared machine hit all alike), best of ``repeat`` rounds. The calls are really issued (batches flushed
+    and queued to the worker threads), but the backlog they leave is dropped afterwards, not run: at 5000 ops,
+    running thousands of queued programs took longer than the measurement; their results are never read."""
     import threading
 
     from torch_dtorch.runtime import kernel
 
+    streams = list(get_runtime().executor.runner.streams.values())
+    dt.sync()
     gate = threading.Event()
     kernel.before_hooks.append(lambda instr, device: gate.wait(600))
     best = [float("inf")] * len(fns)
@@ -106,8 +114,13 @@ def interleaved(fns: list[Callable[[], Any]], calls: int, repeat: int) -> list[f
             for i, fn in enumerate(fns):
                 best[i] = min(best[i], per_call(fn, calls))
     finally:
+        for s in streams:
+            s._discard = True  # the queued batches are skipped (KernelStream's shutdown flag)
         gate.set()
         kernel.before_hooks.pop()
+        for s in streams:
+            s.wait_idle()
+            s._discard = False
         dt.sync()
     return best
 
@@ -121,7 +134,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
     mesh = dt.init_device_mesh("cpu", (4,))
-    rt_executor = __import__("torch_dtorch.device.state", fromlist=["get_runtime"]).get_runtime().executor
+    rt_executor = get_runtime().executor
     x = dt.distribute_tensor(torch.randn(64, 16), mesh, [Shard(0)])
     y = dt.distribute_tensor(torch.randn(64, 16), mesh, [Shard(0)])
     log.info("%8s %18s %16s %14s", "ops", "controller µs/call", "no-op µs/call", "replay ratio")

@@ -5,6 +5,7 @@ If a torch release moves one of these, this module is the only one to change.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -79,6 +80,7 @@ def inductor_compile(gm: Any, example_inputs: Sequence[Any], *, mode: str | None
     config_patches: dict[str, Any] = {}
     if mode == "reduce-overhead":
         config_patches["triton.cudagraphs"] = True
+        _ensure_cudagraph_tls()
     compiled = compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
     return compiled
 
@@ -98,6 +100,26 @@ def default_device_mode_off() -> Iterator[None]:
         yield
     finally:
         torch.set_default_device(ctx.device)
+
+
+def _ensure_cudagraph_tls() -> None:
+    """Set up CUDA graph trees' thread-local state in this thread. torch < 2.12 does it only in the thread that
+    imports ``torch._inductor.cudagraph_trees`` (and copies it into autograd's threads): a dtorch worker thread
+    compiling with CUDA graphs failed an ``assert torch._C._is_key_in_tls(...)`` in ``cudagraph_trees.get_obj``.
+    This does what newer torch's ``_initialize_tls`` does for any thread."""
+    from torch._inductor import cudagraph_trees
+
+    local = cudagraph_trees.local
+    if hasattr(local, "tree_manager_containers"):
+        return
+    init = getattr(cudagraph_trees, "_initialize_tls", None)
+    if init is not None:
+        init(local)
+        return
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
 #: tests set this to exercise the fallback of :func:`keep_composites_whole` on a torch that does not need it

@@ -212,6 +212,21 @@ def test_bad_options() -> None:
         CompileOptions.parse({"redistribute": "sometimes"}, backend="dtorch")
 
 
+def test_cudagraphs_need_one_rank_per_gpu() -> None:
+    from torch_dtorch.backend.options import CompileOptions, check_cudagraph_devices
+
+    on = CompileOptions.parse({"worker_compiler": "inductor", "cudagraphs": True}, backend="dtorch")
+    off = CompileOptions.parse({"worker_compiler": "inductor"}, backend="dtorch")
+    virtual = {0: torch.device("cuda", 0), 1: torch.device("cuda", 0)}
+    with pytest.raises(
+        NotImplementedError, match=r"ranks \[0, 1\].*one GPU \(cuda:0.*Fix: drop cudagraphs=True"
+    ):
+        check_cudagraph_devices(on, virtual, backend="dtorch")
+    check_cudagraph_devices(off, virtual, backend="dtorch")  # no CUDA graphs: fine
+    check_cudagraph_devices(on, {0: torch.device("cuda", 0), 1: torch.device("cuda", 1)}, backend="dtorch")
+    check_cudagraph_devices(on, {0: torch.device("cpu"), 1: torch.device("cpu")}, backend="dtorch")  # ignored
+
+
 def test_debug_backend_shows_graphs_without_running_programs() -> None:
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(4, 8)

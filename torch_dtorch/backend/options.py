@@ -18,7 +18,7 @@ from typing import Any
 
 from torch_dtorch.config import RedistributePolicy
 
-__all__ = ["CompileOptions", "CompileOptionsError"]
+__all__ = ["CompileOptions", "CompileOptionsError", "check_cudagraph_devices"]
 
 _WORKER_COMPILERS = ("eager", "inductor")
 
@@ -91,4 +91,29 @@ class CompileOptions:
             decompositions=tuple(decomps),
             reports=reports,
             file=out,
+        )
+
+
+def check_cudagraph_devices(
+    options: CompileOptions, torch_devices: Mapping[int, Any], *, backend: str
+) -> None:
+    """``cudagraphs=True`` needs one rank per GPU: raise ``NotImplementedError`` when several ranks of a program
+    (``torch_devices``: rank -> its torch device) are virtual ranks on one GPU. One rank capturing a CUDA graph
+    cannot overlap another rank's device-wide synchronization on the same GPU (CUDA rejects it with
+    ``cudaErrorStreamCaptureUnsupported``), and ranks synchronize around every collective."""
+    if not options.cudagraphs:
+        return
+    by_gpu: dict[str, list[int]] = {}
+    for rank, dev in torch_devices.items():
+        if getattr(dev, "type", None) == "cuda":
+            by_gpu.setdefault(str(dev), []).append(rank)
+    shared = {gpu: ranks for gpu, ranks in by_gpu.items() if len(ranks) > 1}
+    if shared:
+        gpu, ranks = next(iter(shared.items()))
+        raise NotImplementedError(
+            f"torch.compile(backend={backend!r}, options={{'cudagraphs': True}}): ranks {ranks} of this program are "
+            f"virtual ranks on one GPU ({gpu}, a simulated mesh); CUDA graphs need one rank per GPU, because one "
+            "rank's graph capture cannot overlap another rank's device synchronization on the same GPU. Fix: drop "
+            "cudagraphs=True on simulated meshes (worker_compiler='inductor' alone works there), or run on a "
+            "1-device mesh or on distinct GPUs"
         )

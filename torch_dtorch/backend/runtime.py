@@ -29,7 +29,7 @@ from torch_dtorch import _compat
 from torch_dtorch.backend.call_key import CallKeyMemo, fast_key
 from torch_dtorch.backend.capture import format_aten_graph
 from torch_dtorch.backend.local import LocalProgram, build_local_program
-from torch_dtorch.backend.options import CompileOptions
+from torch_dtorch.backend.options import CompileOptions, check_cudagraph_devices
 from torch_dtorch.backend.program import LoadProgram, RunProgram, UnloadProgram
 from torch_dtorch.backend.propagate import InputSpec, Propagated, UnsupportedGraphError, propagate
 from torch_dtorch.backend.report import CompileReport
@@ -251,6 +251,9 @@ class CompiledGraph:
                 return None
             root = mesh.root
             devices = prop.source().devices
+            check_cudagraph_devices(
+                self.options, {d: rt.torch_device(d) for d in devices}, backend=self.backend
+            )
             programs = {d: build_local_program(prop, d, rt.torch_device(d)) for d in devices}
             report.logical = str(prop.graph)
             report.local = {d: str(p) for d, p in programs.items()}
