@@ -116,6 +116,31 @@ def tiny_flux() -> tuple[nn.Module, dict[str, Any]]:
     return model, inputs
 
 
+def tiny_sd3() -> tuple[nn.Module, dict[str, Any]]:
+    """A tiny random diffusers ``SD3Transformer2DModel`` (1 block, 8x8 latents) and its inputs (offline)."""
+    import diffusers
+
+    torch.manual_seed(0)
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=4,
+        pos_embed_max_size=8,
+    ).eval()  # fmt: skip
+    inputs = {
+        "hidden_states": torch.randn(2, 4, 8, 8),
+        "encoder_hidden_states": torch.randn(2, 4, 16),
+        "pooled_projections": torch.randn(2, 8),
+        "timestep": torch.tensor([0.5, 0.25]),
+    }
+    return model, inputs
+
+
+#: the tiny diffusers transformers, and the dim of ``hidden_states`` that sequence sharding splits (flux: tokens;
+#: sd3: image rows)
+TINY_TRANSFORMERS = {"flux": tiny_flux, "sd3": tiny_sd3}
+SEQ_DIM = {"flux": 1, "sd3": 2}
+
+
 def transformer_tp_plan(model: nn.Module) -> dict[str, Sequence[Any]]:
     """Megatron-style TP over attention heads and MLP hidden units of every diffusers transformer block."""
     plan: dict[str, Sequence[Any]] = {}
