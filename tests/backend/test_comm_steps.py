@@ -66,6 +66,34 @@ def test_stage_move_makes_one_program_over_both_stages() -> None:
     assert "aten.relu" in last and "= redistribute(None)" in last  # stage 1 receives, then computes
 
 
+def test_graph_constant_used_on_a_later_stage() -> None:
+    """A tensor constant of the graph (``torch.tensor(3.0)`` in the code) lives on the mesh of the ops that use it:
+    here stage 1, not the first input's mesh (it was bound there and the stage-1 op failed with a mesh mismatch)."""
+    torch.manual_seed(0)
+    x, w0, w1 = torch.randn(4, 6), torch.randn(6, 8), torch.randn(8, 4)
+    want = (torch.relu(x @ w0) * 3.0 + 0.5) @ w1
+    mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    s0, s1 = mesh.unbind("pp")
+    key1 = mesh_key(s1)
+
+    def two_stages(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+        h = place(x @ w0, key1, STAGE_MOVE, what="test stage move")
+        return (torch.relu(h) * torch.tensor(3.0) + torch.tensor(0.5)) @ w1
+
+    reports: list[CompileReport] = []
+    dx = dt.distribute_tensor(x, s0, [Shard(0)])
+    dw0 = dt.distribute_tensor(w0, s0, [Replicate()])
+    dw1 = dt.distribute_tensor(w1, s1, [Shard(1)])
+    with torch.no_grad():
+        compiled = torch.compile(two_stages, backend="dtorch", options={"reports": reports})
+        for _ in range(2):  # compile, then replay with the constants already uploaded
+            torch.testing.assert_close(compiled(dx, dw0, dw1).full_tensor(), want)
+    (report,) = reports
+    assert report.error is None  # compiled, not the eager fallback
+    first, last = report.local[s0.devices[0]], report.local[s1.devices[0]]
+    assert "aten.mul" in last and "aten.mul" not in first
+
+
 class _MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from torch_dtorch._tree import any_leaf, map_only
 from torch_dtorch.backend.local import ProgramSource
 from torch_dtorch.backend.place import PLACE_OP, place_target
 from torch_dtorch.config import RedistributePolicy
@@ -42,8 +43,8 @@ class InputSpec:
 class Propagated:
     """The LogicalGraph of one captured graph under given input placements.
 
-    ``inputs`` are the graph's input operands in placeholder order, then one per tensor constant (``constants``
-    holds their values, uploaded once per compiled variant); ``outputs`` holds, per graph output, an operand or a
+    ``inputs`` are the graph's input operands in placeholder order, then one per tensor constant and mesh it is used
+    on (``constants`` holds their values, uploaded once per compiled variant to that operand's mesh); ``outputs`` holds, per graph output, an operand or a
     plain Python value (``None``, ints)."""
 
     graph: LogicalGraph
@@ -87,6 +88,48 @@ def _plain(v: Any) -> Any:
     return v
 
 
+class _Constant:
+    """A tensor constant of the graph (``get_attr``), not yet bound to a mesh."""
+
+    __slots__ = ("value", "tag")
+
+    def __init__(self, value: torch.Tensor, tag: str) -> None:
+        self.value = value
+        self.tag = tag
+
+
+def _foldable(target: Any, tree: Any) -> bool:
+    """Whether a call computes on graph constants alone and may run once at compile time (a deterministic,
+    non-mutating aten op): its result is a constant too, bound to a mesh where it is used."""
+    if (
+        not isinstance(target, torch._ops.OpOverload)
+        or not any_leaf(_Constant, tree)
+        or any_leaf(Operand, tree)
+    ):
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _fold(target: Any, args: Any, kwargs: Any) -> Any:
+    args, kwargs = map_only(_Constant, lambda c: c.value, (args, kwargs))
+    with torch.no_grad():
+        out = target(*args, **kwargs)
+    return map_only(torch.Tensor, lambda t: _Constant(t, f"constant {target}"), out)
+
+
+def _first_mesh(tree: Any) -> DeviceMesh | None:
+    """The mesh of the first operand in ``tree`` that has one."""
+    found: list[DeviceMesh] = []
+
+    def visit(x: Operand) -> Operand:
+        if not found and x.mesh is not None:
+            found.append(x.mesh)
+        return x
+
+    map_only(Operand, visit, tree)
+    return found[0] if found else None
+
+
 def _get_attr(gm: fx.GraphModule, target: str) -> Any:
     obj: Any = gm
     for part in target.split("."):
@@ -127,6 +170,26 @@ def propagate(
         raise ValueError(f"propagate: the graph has {len(placeholders)} inputs, {len(inputs)} specs given")
     outputs: list[Any] = []
     moved: dict[tuple[Any, ...], Operand] = {}
+    bound: dict[tuple[int, int], Operand] = {}  # (constant, root mesh) -> its Replicate input operand there
+
+    def bind(c: _Constant, where: DeviceMesh) -> Operand:
+        """The constant's input operand on ``where`` (one per mesh it is used on, made at its first use there:
+        a constant a later pipeline stage uses lives on that stage, like an eager 0-d tensor)."""
+        key = (id(c), id(where.root))
+        x = bound.get(key)
+        if x is None:
+            x = con.input(
+                tuple(c.value.shape), where, [Replicate()] * where.ndim, dtype=c.value.dtype, tag=c.tag
+            )
+            bound[key] = x
+            constants.append(c.value)
+            in_operands.append(x)
+        return x
+
+    def bind_all(tree: Any, where: DeviceMesh | None) -> Any:
+        target = where if where is not None else mesh
+        return map_only(_Constant, lambda c: bind(c, target), tree)
+
     it = iter(inputs)
     for node in gm.graph.nodes:
         _check_static(node)
@@ -138,20 +201,15 @@ def propagate(
         elif node.op == "get_attr":
             value = _get_attr(gm, str(node.target))
             if isinstance(value, torch.Tensor):
-                x = con.input(
-                    tuple(value.shape),
-                    mesh,
-                    [Replicate()] * mesh.ndim,
-                    dtype=value.dtype,
-                    tag=f"constant {node.target}",
-                )
-                constants.append(value.detach())
-                in_operands.append(x)
-                env[node] = x
+                env[node] = _Constant(value.detach(), f"constant {node.target}")
             else:
                 env[node] = value
         elif node.op == "call_function":
             args, kwargs = _plain(fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
+            if _foldable(node.target, (args, kwargs)):
+                env[node] = _fold(node.target, args, kwargs)  # e.g. lift_fresh_copy: stays a constant
+                continue
+            args, kwargs = bind_all((args, kwargs), _first_mesh((args, kwargs)))
             if node.target is operator.getitem:
                 env[node] = args[0][args[1]]
             elif node.target is PLACE_OP:
@@ -164,7 +222,7 @@ def propagate(
                     "calls are not propagated); this graph runs eagerly on dtorch tensors"
                 )
         elif node.op == "output":
-            outs = fx.node.map_arg(node.args[0], env.__getitem__)
+            outs = bind_all(fx.node.map_arg(node.args[0], env.__getitem__), None)
             outputs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         else:
             raise UnsupportedGraphError(f"{node.format_node()}: FX node kind {node.op!r} is not supported")

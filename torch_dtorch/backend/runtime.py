@@ -264,8 +264,11 @@ class CompiledGraph:
             ex = rt.executor
             constants: list[torch.Tensor] = []
             constant_ids: list[int] = []
-            for value in prop.constants:
-                c = ex.input(tuple(value.shape), mesh, [Replicate()] * mesh.ndim, dtype=value.dtype)
+            first_constant = len(prop.inputs) - len(prop.constants)
+            for value, x in zip(prop.constants, prop.inputs[first_constant:], strict=True):
+                c = ex.input(
+                    tuple(value.shape), x.mesh, x.placements, dtype=value.dtype
+                )  # the mesh it is used on
                 ex.upload(c, value.to("cpu") if value.device.type != "cpu" else value)
                 constants.append(wrap(rt, c))
                 constant_ids.append(c.id)
