@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -93,7 +94,9 @@ def test_placement_change_recompiles_variant() -> None:
     assert len(reports) == 2
 
 
-def test_one_message_per_call_and_async() -> None:
+def _compiled_tp_mlp() -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A TP MLP on 2 devices compiled and called once: (compiled model, its input, its first output, the torch
+    reference)."""
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(4, 8)
     with torch.no_grad():
@@ -104,6 +107,12 @@ def test_one_message_per_call_and_async() -> None:
         compiled = torch.compile(model, backend="dtorch")
         first = compiled(dx)  # compile + load
         first.full_tensor()
+    return compiled, dx, first, ref
+
+
+def test_one_message_per_call_and_async() -> None:
+    compiled, dx, first, ref = _compiled_tp_mlp()
+    with torch.no_grad():
         counter = HookCounter()
         with_hook(counter, lambda: [compiled(dx) for _ in range(3)])
         assert counter.counts == {"RunProgram": 3 * 2}  # one per call per worker, no per-op instruction
@@ -129,15 +138,8 @@ def test_one_message_per_call_and_async() -> None:
 def test_compiled_call_starts_on_workers_at_once() -> None:
     """A compiled call is sent to the workers when it is made: no waiting for later ops, the flush timer or a
     value request (with a one-hour timer, the workers still see the ``RunProgram`` right away)."""
-    torch.manual_seed(0)
-    model, x = MLP(), torch.randn(4, 8)
+    compiled, dx, _, ref = _compiled_tp_mlp()
     with torch.no_grad():
-        ref = model(x)
-        mesh = _mesh(2)
-        distribute_module(model, mesh, tp_mlp_plan())
-        dx = dt.distribute_tensor(x, mesh, [Replicate()])
-        compiled = torch.compile(model, backend="dtorch")
-        compiled(dx).full_tensor()  # compile + load
         from torch_dtorch.device.state import get_runtime
         from torch_dtorch.runtime import kernel
 
