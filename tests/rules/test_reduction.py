@@ -113,7 +113,6 @@ def test_non_decomposable_reductions_gather_a_sharded_reduced_dim() -> None:
         (aten.var.correction, ([0],)),
         (aten.std.correction, ([0],)),
         (aten.logsumexp.default, ([0],)),
-        (aten.prod.dim_int, (0,)),
     ):
         # the cheapest legal move is the all-to-all to the kept dim, S(0) -> S(1) (never a Partial output)
         plan = check_sample(op, Sample((x, *args)), (2,), [(S(0),)])
@@ -187,17 +186,18 @@ def test_vector_norm_dtype_and_complex_inputs() -> None:
     assert plan.out_placements == ((PMAX,),)
 
 
-def test_p_norms_keep_kept_dims_sharded_and_gather_a_reduced_one() -> None:
+def test_p_norms_keep_kept_dims_sharded_and_exchange_over_a_reduced_one() -> None:
     x = rand(5, 3)
     for order in (2, 3, 0.5, -1, None):
         op, args = (aten.norm.ScalarOpt_dim, (x, None, [1])) if order is None else (NORM, (x, order, [1]))
         plan = check_sample(op, Sample(args), (4,), [(S(0),)])
         assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((S(0),),)
-        # (Σ_r Σ|x|^p)^(1/p) needs a root after the sum: no Partial, the reduced dim moves (never a Partial out)
+        # (Σ_r Σ|x|^p)^(1/p) needs a root after the sum: no Partial; the kernel exchanges the partial sums
+        # (norm_comm.py) and the output is Replicate — the reduced dim stays where it is
         plan = check_sample(op, Sample(args), (2,), [(S(1),)])
-        assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((S(0),),)
+        assert plan.match.in_targets == ((S(1),),) and plan.out_placements == ((R,),)
         plan = check_sample(op, Sample((x[0], *args[1:2], [0])), (4,), [(S(0),)])
-        assert plan.match.in_targets == ((R,),) and plan.out_placements == ((R,),)
+        assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((R,),)
     # norms are not linear: a Partial input is reduced first
     plan = check_sample(NORM, Sample((rand(7), 1)), (2,), [(P,)])
     assert plan.match.in_targets == ((S(0),),) and plan.out_placements == ((P,),)

@@ -25,8 +25,8 @@ query shard by the elementwise rules) follow the sharding without model changes.
 
 Kernels: a float32 math kernel with log-sum-exp (CPU and fallback); on CUDA the memory-efficient SDPA kernel for
 unmasked blocks when it is available. Communication goes through the worker's communicator
-(``LocalContext.comm``, given by the runtime); the plain-torch simulator has none and raises
-:class:`ContextParallelError`.
+(``LocalContext.comm``, given by the runtime; the simulator's ``run_local`` gives a thread per rank one); a lone
+``run_rank`` has none and raises :class:`ContextParallelError`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ __all__ = [
     "cp_axes",
     "cp_signatures",
     "device_comm",
+    "exchange",
     "kernel_needs_comm",
     "register_comm_kernel",
     "run_context_parallel",
@@ -75,12 +76,14 @@ class ContextParallelError(DTorchError, RuntimeError):
     """A context-parallel attention call that cannot run (no communicator, no head dim for Ulysses, ...)."""
 
 
-def device_comm(ctx: LocalContext) -> Any:
-    """The rank's communicator (``ctx.comm``, given by the runtime's ``Kernel``)."""
+def device_comm(ctx: LocalContext, what: str = "context-parallel attention") -> Any:
+    """The rank's communicator (``ctx.comm``, given by the runtime's ``Kernel``); ``what`` names the kernel in the
+    error raised without one."""
     if ctx.comm is None:
         raise ContextParallelError(
-            f"context-parallel attention on device {ctx.device}: no communicator. Ring and Ulysses kernels run on "
-            "workers (dt.init_device_mesh); the plain-torch simulator cannot run them"
+            f"{what} on device {ctx.device}: no communicator. Communicating kernels run on workers "
+            "(dt.init_device_mesh) or in the simulator's run_local (a thread per rank); a lone run_rank (the "
+            "ReferenceExecutor) cannot run them"
         )
     return ctx.comm
 
@@ -96,7 +99,8 @@ def register_comm_kernel(op: Any, needs_comm: Callable[[OpCall], bool]) -> None:
 
 
 def kernel_needs_comm(call: OpCall) -> bool:
-    """Whether the local kernel of ``call`` needs the worker's communicator (context-parallel attention)."""
+    """Whether the local kernel of ``call`` needs the worker's communicator (context-parallel attention, p-norms and
+    ``prod`` over a sharded dim: ``norm_comm.py``)."""
     pred = _COMM_KERNELS.get(call.op)
     return pred is not None and pred(call)
 
@@ -157,12 +161,12 @@ def _gathered(pos: PosFn, axis: int, n: int) -> PosFn:
 
 
 # --- point-to-point exchange ----------------------------------------------------------------------------------
-def _exchange(
-    comm: Any, devices: Sequence[int], me: int, pieces: Sequence[torch.Tensor]
+def exchange(
+    comm: Any, devices: Sequence[int], me: int, pieces: Sequence[torch.Tensor], *, tag: int = CP_TAG
 ) -> list[torch.Tensor]:
     """All-to-all with arbitrary pieces: ``pieces[t]`` goes to member ``t``; returns what every member sent me."""
-    works = [comm.send(p.contiguous(), d, CP_TAG) for t, (d, p) in enumerate(zip(devices, pieces)) if t != me]
-    got = [pieces[me] if s == me else comm.recv(d, CP_TAG) for s, d in enumerate(devices)]
+    works = [comm.send(p.contiguous(), d, tag) for t, (d, p) in enumerate(zip(devices, pieces)) if t != me]
+    got = [pieces[me] if s == me else comm.recv(d, tag) for s, d in enumerate(devices)]
     for w in works:
         w.wait()
     return got
@@ -185,7 +189,7 @@ def _relayout(
     mine = src_pos[me].tolist()
     dest = torch.tensor([owner[v] for v in mine], dtype=torch.long)
     pieces = [x.index_select(dim, (dest == t).nonzero().flatten().to(x.device)) for t in range(len(devices))]
-    got = _exchange(comm, devices, me, pieces)
+    got = exchange(comm, devices, me, pieces)
     got_pos = torch.cat(
         [src_pos[s][torch.tensor([owner[v] == me for v in src_pos[s].tolist()], dtype=torch.bool)]
          if src_pos[s].numel() else src_pos[s] for s in range(len(devices))]
@@ -421,7 +425,7 @@ def run_context_parallel(call: OpCall, ctx: LocalContext, bound: dict[str, Any])
         rows = [int(qpos_fn(_with(coord, a, i)).numel()) for i in range(n)]
 
         pieces = [[x.narrow(-3, off, size) for size, off in chunks] for x in (q, k, v)]
-        q, k, v = (torch.cat(_exchange(comm, devices, me, p), dim=-2) for p in pieces)
+        q, k, v = (torch.cat(exchange(comm, devices, me, p), dim=-2) for p in pieces)
         if mask is not None and mask.ndim >= 3 and mask.shape[-3] == heads and heads > 1:
             mask = mask.narrow(-3, chunks[me][1], chunks[me][0])
         undo.append((devices, me, rows))
@@ -447,6 +451,6 @@ def run_context_parallel(call: OpCall, ctx: LocalContext, bound: dict[str, Any])
     if balance:
         out = _relayout(out, out.ndim - 2, comm, devices, me, qz, qpos)
     for devices_u, me_u, rows in reversed(undo):  # head-sharded -> sequence-sharded
-        got = _exchange(comm, devices_u, me_u, list(out.split(rows, dim=-2)))
+        got = exchange(comm, devices_u, me_u, list(out.split(rows, dim=-2)))
         out = torch.cat(got, dim=-3)
     return out

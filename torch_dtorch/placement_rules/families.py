@@ -8,6 +8,7 @@ FAMILIES = (
     "pointwise",
     "matmul",
     "reduction",
+    "norm_comm",
     "loss",
     "view",
     "view_scatter",

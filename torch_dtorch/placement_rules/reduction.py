@@ -17,11 +17,13 @@ Signatures (one mesh axis), for an input whose reduced dims are ``D`` (``dim=Non
   input and output only: a cast to an integer dtype is not linear); ``amax``/``max``: ``P(max) -> P(max)``;
   ``amin``/``min``: ``P(min) -> P(min)``. Every other Partial input is reduced first.
 - no signature for a sharded reduced dim (the matcher all-gathers that dim first): ``max.dim``/``min.dim`` (values
-  and global indices), ``argmax``/``argmin``, ``var``/``std``/``var_mean``, ``prod`` (it would need a
-  ``Partial("prod")``, which dtorch's placements and collectives do not carry), ``logsumexp``, and the vector norms
-  of any other ``ord`` (``2``, ``p``: ``(Σ_r Σ|x|^p)^(1/p)`` needs a root after the cross-rank sum, and one operator
-  cannot express a Partial with a finishing step). Full reductions of these (``prod.default``, ``argmax`` without
-  ``dim``, ``norm(x)``) are therefore Replicate only.
+  and global indices), ``argmax``/``argmin``, ``var``/``std``/``var_mean`` and ``logsumexp``. Full reductions of
+  these (``argmax`` without ``dim``) are therefore Replicate only.
+- ``prod`` (it would need a ``Partial("prod")``, which dtorch's placements and collectives do not carry) and the
+  vector norms of any other ``ord`` (``2``, ``p``: ``(Σ_r Σ|x|^p)^(1/p)`` needs a root after the cross-rank sum,
+  which no Partial expresses): ``S(d) -> R`` for a reduced ``d``, with a local kernel that communicates (local
+  partial result, point-to-point exchange over the sharding axes, combine, root). Their rules live in
+  ``norm_comm.py``, built on :class:`VectorNormRule` and :class:`ReductionRule` here.
 - ``cumsum(dim)``: ``S(d) -> S(d)`` for ``d != dim``; ``P(sum|avg) -> P(sum|avg)`` for floating dtypes.
 
 All-Replicate is listed before the Partial pass-through signatures: an input that must move anyway (e.g. a
@@ -42,7 +44,7 @@ from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, all_replicate, sig
 
-__all__ = ["ReductionRule", "norm_partial", "reduced_dims", "reduction_signatures"]
+__all__ = ["ReductionRule", "VectorNormRule", "norm_partial", "reduced_dims", "reduction_signatures"]
 
 aten = torch.ops.aten
 _LINEAR = ("sum", "avg")
@@ -219,7 +221,7 @@ class _AllDims(_All):
 
 LOCAL_OPS = [
     aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.var.correction,
-    aten.std.correction, aten.var_mean.correction, aten.prod.default, aten.prod.dim_int, aten.logsumexp.default,
+    aten.std.correction, aten.var_mean.correction, aten.logsumexp.default,
 ]  # fmt: skip
 
 
@@ -241,14 +243,18 @@ def norm_partial(order: float | None) -> str | None:
     return None
 
 
-@register_rule(aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim, family="reduction")
-class _VectorNorm(_Extremum):
+class VectorNormRule(_Extremum):
     """``linalg_vector_norm(x, ord, dim)`` and ``norm.ScalarOpt_dim(x, p, dim)`` (``p=None``: 2): kept dims stay
-    sharded; a sharded reduced dim gives :func:`norm_partial` of the order. Not linear: no Partial input."""
+    sharded; a sharded reduced dim gives :func:`norm_partial` of the order. Not linear: no Partial input.
+    Registered by ``norm_comm.py``, which adds the communicating signature of the other orders."""
+
+    def order(self, call: OpCall) -> float:
+        """The norm's order (``2`` where the call leaves it out)."""
+        order = call.arg("ord", 2) if call.op is aten.linalg_vector_norm.default else call.arg("p")
+        return 2.0 if order is None else float(order)
 
     def sharded_op(self, call: OpCall) -> str | None:
-        order = call.arg("ord", 2) if call.op is aten.linalg_vector_norm.default else call.arg("p")
-        return norm_partial(order)
+        return norm_partial(self.order(call))
 
     def identity(self, reduce_op: str, dtype: torch.dtype) -> bool | int | float:
         """Norms are non-negative: ``0`` is the identity of their sum and max (``inf`` of their min)."""

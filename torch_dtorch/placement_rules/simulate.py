@@ -1,11 +1,18 @@
 """Plain-torch simulation of distributed layouts: split a global tensor into per-rank shards, assemble it back, and
 run one op's local kernels on shards. Used by the rule and planner tests, the demo, and as the reference the runtime
 is checked against. Ranks are mesh coordinates; nothing here talks to a worker.
+
+Kernels that communicate (``context_parallel.kernel_needs_comm``: p-norms and ``prod`` over a sharded dim, ring
+attention) run in :func:`run_local` with every rank on its own thread and a :class:`SimComm` for point-to-point
+messages between them; :func:`run_rank` alone gives them no communicator.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache, lru_cache
 from itertools import product
 from typing import Any
@@ -22,8 +29,10 @@ from torch_dtorch.placement import (
     local_shape_and_offset,
 )
 from torch_dtorch.placement_rules.call import LocalContext, OpCall, map_operands
+from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
 
 __all__ = [
+    "SimComm",
     "Shards",
     "assemble",
     "coords",
@@ -239,10 +248,80 @@ def run_local(
     local_inputs: dict[Coord, list[torch.Tensor | None]],
     mesh_shape: Sequence[int],
 ) -> dict[Coord, list[torch.Tensor]]:
-    """Run ``call.op`` on every rank's shards with the rule's localized arguments; outputs per rank."""
-    return {
-        c: run_rank(rule, call, c, mesh_shape, tensors, placements_out) for c, tensors in local_inputs.items()
-    }
+    """Run ``call.op`` on every rank's shards with the rule's localized arguments; outputs per rank.
+
+    A kernel that communicates (``kernel_needs_comm(call)``) runs every rank on its own thread, each with a
+    :class:`SimComm` named by the rank's device id in ``call.mesh``."""
+    if call.mesh is None or len(local_inputs) < 2 or not kernel_needs_comm(call):
+        return {
+            c: run_rank(rule, call, c, mesh_shape, tensors, placements_out)
+            for c, tensors in local_inputs.items()
+        }
+    mesh = call.mesh
+    box = _Mailbox()
+
+    def one(c: Coord, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        device = int(mesh.mesh[c])
+        try:
+            return run_rank(
+                rule, call, c, mesh_shape, tensors, placements_out, device=device, comm=SimComm(device, box)
+            )
+        except BaseException:
+            box.abort()  # peers waiting for this rank's messages raise instead of hanging
+            raise
+
+    with ThreadPoolExecutor(max_workers=len(local_inputs)) as pool:
+        futures = {c: pool.submit(one, c, tensors) for c, tensors in local_inputs.items()}
+        return {c: f.result() for c, f in futures.items()}
+
+
+class _Mailbox:
+    """Messages in flight between simulated ranks, FIFO per (source, destination, tag)."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.queues: dict[tuple[int, int, int], collections.deque[torch.Tensor]] = collections.defaultdict(
+            collections.deque
+        )
+        self.cond = threading.Condition()
+        self.aborted = False
+        self.timeout_s = timeout_s
+
+    def put(self, key: tuple[int, int, int], t: torch.Tensor) -> None:
+        with self.cond:
+            self.queues[key].append(t)
+            self.cond.notify_all()
+
+    def take(self, key: tuple[int, int, int]) -> torch.Tensor:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.aborted or self.queues[key], self.timeout_s):
+                raise RuntimeError(f"simulated recv {key[0]} -> {key[1]} (tag {key[2]}): nothing arrived")
+            if not self.queues[key]:
+                raise RuntimeError(f"simulated recv {key[0]} -> {key[1]}: a peer rank failed")
+            return self.queues[key].popleft()
+
+    def abort(self) -> None:
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+
+
+class SimComm:
+    """One simulated rank's communicator (the ``send``/``recv`` part of ``collectives.group.Comm``)."""
+
+    def __init__(self, device: int, box: _Mailbox) -> None:
+        self.device = device
+        self._box = box
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> SimComm:
+        """Buffer a copy of ``t`` for ``dst``; the returned handle's ``wait()`` returns at once."""
+        self._box.put((self.device, dst, tag), t.clone())
+        return self
+
+    def wait(self) -> None:
+        pass
+
+    def recv(self, src: int, tag: int = 0) -> torch.Tensor:
+        return self._box.take((src, self.device, tag))
 
 
 def operand_for(t: torch.Tensor, mesh: Any, placements: Placements, ident: int = 0) -> Operand:
