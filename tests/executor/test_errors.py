@@ -55,6 +55,29 @@ def test_kernel_failure_is_sticky_and_named(
     assert torch.equal(ex.fetch(again).get(timeout=30), -value)
 
 
+@pytest.mark.parametrize("failing", [0, 1])
+def test_communicating_kernel_joins_on_zeros_after_a_failure(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, failing: int
+) -> None:
+    """A kernel that talks to its peers (here a 2-norm over a sharded dim) whose input is poisoned on one rank: that
+    rank still runs it on zeros, so the peer gets its messages (with a 20 s collective timeout a hang would fail the
+    test), and both ranks' outputs carry the original error."""
+    monkeypatch.setenv("DTORCH_COLLECTIVE_TIMEOUT_S", "20")
+    _fail_on(monkeypatch, aten.relu.default, device=failing)
+    ex, mesh = make_executor((2,))
+    value = torch.randn(6, 4)
+    x = ex.input(value.shape, mesh, [Shard(0)])
+    ex.upload(x, value)
+    bad = ex.call(aten.relu.default, x)  # poisoned on one worker only
+    norm = ex.call(aten.linalg_vector_norm.default, bad, 2, [0])  # exchanges partial sums between the ranks
+    assert norm.placements == (Replicate(),)
+    fine = ex.call(aten.linalg_vector_norm.default, x, 2, [0])  # unrelated: the exchange still works
+    with pytest.raises(KernelError, match="planted failure") as info:
+        ex.fetch(norm).get(timeout=30)
+    assert info.value.device == failing
+    torch.testing.assert_close(ex.fetch(fine).get(timeout=30), torch.linalg.vector_norm(value, 2, [0]))
+
+
 def test_call_site_with_debug(make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_on(monkeypatch, aten.relu.default, device=0)
     monkeypatch.setattr(get_config(), "debug", True)

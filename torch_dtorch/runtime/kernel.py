@@ -28,7 +28,7 @@ import torch
 from torch_dtorch.graph import Operand, Operator
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.runtime.blob import Blob, KernelError
-from torch_dtorch.runtime.local import local_shape, run_local
+from torch_dtorch.runtime.local import kernel_needs_comm, local_shape, run_local
 from torch_dtorch.runtime.stream import COMM, COMPUTE, KernelStream
 
 __all__ = ["Kernel", "KernelIOError", "PoisonBoard", "after_hooks", "before_hooks"]
@@ -173,6 +173,7 @@ class Kernel:
                 err = b.error
                 break
             ins.append(b)
+        comm = node.payload is not None and kernel_needs_comm(node.payload.call)
         if err is None:
             try:
                 self._compute(node, ins, call_site)
@@ -181,6 +182,10 @@ class Kernel:
             except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
                 err = KernelError(node.name, self.device, e, call_site=call_site)
                 err.__cause__ = e
+            if comm and err is None and self.board is not None and node.outputs:
+                err = self.board.get(node.outputs[0].id)  # a peer joined on zeros (below)
+        elif comm:
+            self._join_on_zeros(node, err, call_site)
         if err is not None:
             log.debug("worker %d: %s poisoned: %s", self.device, node.name, err.op)
             poisoned = Blob(error=err)
@@ -188,6 +193,23 @@ class Kernel:
                 blobs[o.id] = poisoned
         if after_hooks:
             _call_hooks(after_hooks, instr if instr is not None else node, self.device)
+
+    def _join_on_zeros(self, node: Operator, err: KernelError, call_site: str | None) -> None:
+        """A communicating kernel (context-parallel attention, a norm over a sharded dim) whose input is poisoned on
+        this rank still runs, on zeros of the right local shapes: its peers wait for this rank's messages and must
+        never hang. The error is posted first, so the peers (which receive after it) poison their outputs too."""
+        if self.board is not None and node.outputs:
+            self.board.post(node.outputs[0].id, err)
+        zeros: list[Blob | None] = [
+            None
+            if x is None
+            else Blob(torch.zeros(self.local_shape(x), dtype=x.dtype, device=self.torch_device))
+            for x in node.inputs
+        ]
+        try:
+            self._compute(node, zeros, call_site)
+        except Exception:  # noqa: BLE001 - the outputs are poisoned by the caller anyway
+            log.debug("worker %d: %s on zeros failed", self.device, node.name, exc_info=True)
 
     def _compute(self, node: Operator, ins: list[Blob | None], call_site: str | None) -> None:
         bound = node.payload

@@ -4,10 +4,11 @@ simulator, so workers and the reference run exactly the same rule hooks), plus c
 from __future__ import annotations
 
 from torch_dtorch.placement import Placements
+from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
 from torch_dtorch.placement_rules.simulate import cached_local_shape_and_offset
 from torch_dtorch.placement_rules.simulate import run_rank as run_local
 
-__all__ = ["local_shape", "run_local"]
+__all__ = ["kernel_needs_comm", "local_shape", "run_local"]
 
 
 def local_shape(
