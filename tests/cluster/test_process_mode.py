@@ -69,6 +69,20 @@ def test_kernel_failure_is_sticky_across_processes(mesh: dt.DeviceMesh) -> None:
     torch.testing.assert_close((x + 1).full_tensor(), x.full_tensor() + 1)  # unrelated work continues
 
 
+def test_communicating_kernel_after_a_failure_across_processes(mesh: dt.DeviceMesh) -> None:
+    """A norm over the sharded dim exchanges partial sums between the worker processes; rank 2's input is poisoned,
+    so it runs the exchange on zeros and posts its error in the store: every rank's output carries it (no hang, no
+    message left over for the next exchange), and a later exchange is right."""
+    value = torch.randn(9, 3)
+    x = dt.distribute_tensor(value, mesh, [Shard(0)])
+    norm = torch.linalg.vector_norm(torch.sigmoid(x), 2, dim=0)  # sigmoid fails on worker 2
+    assert norm.placements == (Replicate(),)
+    for rank in (0, 1, 2):
+        with pytest.raises(dt.errors.DTorchError, match="planted failure"):
+            norm.to_local(rank)
+    torch.testing.assert_close(torch.linalg.vector_norm(x, 2, dim=0).full_tensor(), value.norm(dim=0))
+
+
 def test_tampered_replayed_and_unsigned_messages_are_dropped_and_reported(mesh: dt.DeviceMesh) -> None:
     r = runner()
     assert r._pub is not None and r._pull is not None
