@@ -128,3 +128,21 @@ def test_factories_on_workers(make_executor: MakeExecutor) -> None:
     assert torch.equal(ex.fetch(z).get(timeout=30), torch.zeros(5, 2))
     torch.manual_seed(5)
     assert torch.equal(ex.fetch(n).get(timeout=30), torch.randn(5, 3))
+
+
+def test_reference_runs_communicating_kernels() -> None:
+    """A 2-norm and a product over a sharded dim keep the input sharded with kernels that exchange partial results:
+    the reference executor runs them with every rank on its own thread (it ran the ranks in turn, without a
+    communicator, and failed)."""
+    mesh = DeviceMesh.from_shape("cpu", (2, 2))
+    g = GraphConstructor(default_mesh=mesh)
+    x = g.input((7, 6), mesh, [Shard(0), Shard(1)], tag="x")
+    norm = g.call(torch.ops.aten.linalg_vector_norm.default, x, 2, [0, 1])
+    prod = g.call(torch.ops.aten.prod.dim_int, x, 0)
+    assert [o.op for o in g.graph.operators].count("redistribute") == 0  # nothing gathered
+    value = torch.randn(7, 6)
+    ex = ReferenceExecutor(g.graph)
+    ex.feed(x, value)
+    ex.run()
+    torch.testing.assert_close(ex.value(norm), torch.linalg.vector_norm(value, 2, [0, 1]))
+    torch.testing.assert_close(ex.value(prod), value.prod(0))

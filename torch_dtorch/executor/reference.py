@@ -10,8 +10,9 @@ import torch
 
 from torch_dtorch.executor.constructor import BoundOp
 from torch_dtorch.graph import LogicalGraph, Operand
+from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
 from torch_dtorch.placement_rules.plan_sim import apply_plan
-from torch_dtorch.placement_rules.simulate import Shards, assemble, distribute, run_rank
+from torch_dtorch.placement_rules.simulate import Shards, assemble, distribute, run_local, run_rank
 
 __all__ = ["ReferenceExecutor"]
 
@@ -45,6 +46,17 @@ class ReferenceExecutor:
             assert mesh is not None
             root = mesh.root
             out_pl = [o.root_placements for o in node.outputs]
+            if kernel_needs_comm(call):
+                # a kernel that talks to its peers (norms over a sharded dim, context-parallel attention): every
+                # rank on its own thread with a simulated communicator
+                local = {
+                    coord: [self.shards[x.id][coord] if x is not None else None for x in node.inputs]
+                    for _, coord in root.coordinates()
+                }
+                per_rank = run_local(rule, call, out_pl, local, root.shape)
+                for k, o in enumerate(node.outputs):
+                    self.shards[o.id] = {c: v[k] for c, v in per_rank.items()}
+                continue
             per_rank = {
                 coord: run_rank(
                     rule,
