@@ -78,6 +78,62 @@ def test_communicating_kernel_joins_on_zeros_after_a_failure(
     torch.testing.assert_close(ex.fetch(fine).get(timeout=30), torch.linalg.vector_norm(value, 2, [0]))
 
 
+def test_communicating_kernel_failing_on_one_rank(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exchange kernel itself raises on worker 1 in the first call (before sending anything): worker 1 joins the
+    exchange on zeros and posts the error, so worker 0 neither waits for messages that never come nor takes the
+    second call's messages for the first call's (both happened before: a 300 s wait, or a wrong value)."""
+    monkeypatch.setenv("DTORCH_COLLECTIVE_TIMEOUT_S", "20")
+    rule = get_rule(aten.linalg_vector_norm.default)
+    original = rule.kernel
+    failures = [1]
+
+    def kernel(call: Any, ctx: Any, args: Any, kwargs: Any) -> Any:
+        if ctx.device == 1 and failures and ctx.comm is not None:
+            failures.pop()
+            raise RuntimeError("planted exchange failure")
+        return original(call, ctx, args, kwargs)
+
+    monkeypatch.setattr(rule, "kernel", kernel)
+    ex, mesh = make_executor((2,))
+    value = torch.randn(6, 4)
+    x = ex.input(value.shape, mesh, [Shard(0)])
+    ex.upload(x, value)
+    first = ex.call(aten.linalg_vector_norm.default, x, 2, [0])
+    second = ex.call(aten.linalg_vector_norm.default, x, 2, [0])
+    with pytest.raises(KernelError, match="planted exchange failure"):
+        ex.fetch(first).get(timeout=30)
+    torch.testing.assert_close(ex.fetch(second).get(timeout=30), torch.linalg.vector_norm(value, 2, [0]))
+
+
+def test_call_comm_tags_differ_between_calls() -> None:
+    from torch_dtorch.placement_rules.call import LocalContext
+    from torch_dtorch.placement_rules.context_parallel import device_comm
+
+    sent: list[tuple[int, int]] = []
+
+    class Comm:
+        device = 3
+
+        def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+            sent.append((dst, tag))
+
+    def ctx(seq: int | None) -> LocalContext:
+        return LocalContext(
+            device=0, coordinate=(0,), in_shapes=[], out_shapes=[], out_offsets=[], comm=Comm(), seq=seq
+        )
+
+    assert device_comm(ctx(None)).__class__ is Comm  # no call number: the communicator itself (the simulator)
+    for seq in (0, 1, 2, 8190):
+        device_comm(ctx(seq)).send(torch.ones(1), 1, 0x6E72)
+    tags = [tag for _, tag in sent]
+    assert len(set(tags)) == 4 and all(t & 0xFFFF == 0x6E72 and 0 < t < 1 << 29 for t in tags)
+    assert device_comm(ctx(5)).device == 3  # everything else is the communicator's own
+    with pytest.raises(ValueError, match="tags"):
+        device_comm(ctx(5)).send(torch.ones(1), 1, 1 << 16)
+
+
 def test_call_site_with_debug(make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_on(monkeypatch, aten.relu.default, device=0)
     monkeypatch.setattr(get_config(), "debug", True)

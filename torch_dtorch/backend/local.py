@@ -135,8 +135,9 @@ class KernelStep:
     note: str
     release: tuple[int, ...] = ()
 
-    def with_comm(self, comm: Any) -> LocalContext:
-        return replace(self.ctx, comm=comm)
+    def with_comm(self, comm: Any, seq: int | None = None) -> LocalContext:
+        """The step's context for one call: the worker's communicator and the call's number (``seq``)."""
+        return replace(self.ctx, comm=comm, seq=seq)
 
 
 Step = Segment | CollectiveStep | KernelStep

@@ -193,10 +193,11 @@ def _resolve(value: Any, vals: list[Any]) -> Any:
     return value
 
 
-def _comm_kernel(worker: Worker, step: KernelStep, vals: list[Any]) -> Any:
-    """A communicating rule kernel (context-parallel attention) with the worker's communicator."""
+def _comm_kernel(worker: Worker, step: KernelStep, vals: list[Any], seq: int) -> Any:
+    """A communicating rule kernel (context-parallel attention, norms over a sharded dim) with the worker's
+    communicator; ``seq`` numbers this call of the step alike on every rank (its messages' tags)."""
     args, kwargs = _resolve(step.args, vals), _resolve(step.kwargs, vals)
-    ctx = step.with_comm(worker.comm)
+    ctx = step.with_comm(worker.comm, seq)
     if worker.torch_device.type == "cuda":  # as around collectives: peers read what this rank's stream wrote
         torch.cuda.synchronize(worker.torch_device)
         out = step.rule.kernel(step.call, ctx, args, kwargs)
@@ -304,7 +305,9 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
             kernel = type(step) is KernelStep
             try:  # on zeros after an error: the peers wait for this rank's messages
                 if isinstance(step, KernelStep):
-                    y = _comm_kernel(worker, step, vals)
+                    # the call's first output id is new every call and the same on every rank
+                    seq = (key if key is not None else instr.program_id) * 64 + index % 64
+                    y = _comm_kernel(worker, step, vals, seq)
                 else:
                     y = _collective(worker, step, vals[step.in_slot] if step.in_slot is not None else None)
             except Exception as e:  # noqa: BLE001

@@ -81,6 +81,10 @@ class LocalContext:
     #: the worker's communicator (``collectives.group.Comm``) for kernels that communicate (context-parallel
     #: attention); ``None`` in the plain-torch simulator
     comm: Any = None
+    #: the call's number, equal on every rank of the call and different between calls (the eager operator's id; a
+    #: compiled call's output id and step): kernels that communicate tag their messages with it (``device_comm``);
+    #: ``None`` in the simulator
+    seq: int | None = None
 
 
 @dataclass(slots=True)

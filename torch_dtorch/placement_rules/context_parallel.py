@@ -85,7 +85,37 @@ def device_comm(ctx: LocalContext, what: str = "context-parallel attention") -> 
             "(dt.init_device_mesh) or in the simulator's run_local (a thread per rank); a lone run_rank (the "
             "ReferenceExecutor) cannot run them"
         )
-    return ctx.comm
+    return ctx.comm if ctx.seq is None else _CallComm(ctx.comm, ctx.seq)
+
+
+#: call numbers wrap after this many calls (tags stay below 2**29: ``torch.distributed`` groups use 2 * tag + 1)
+_SEQ_WRAP = (1 << 13) - 1
+
+
+class _CallComm:
+    """The rank's communicator with the call's number in every point-to-point tag (bits 16-28; the kernel's own tag
+    keeps bits 0-15). Messages of different calls never match: a rank that fails halfway through an exchange
+    leaves messages that no later call consumes (before, the next call of the same kernel took them for its own)."""
+
+    __slots__ = ("_comm", "_high")
+
+    def __init__(self, comm: Any, seq: int) -> None:
+        self._comm = comm
+        self._high = (seq % _SEQ_WRAP + 1) << 16
+
+    def _tag(self, tag: int) -> int:
+        if not 0 <= tag < 1 << 16:
+            raise ValueError(f"point-to-point tags of communicating kernels must be in [0, 65536), got {tag}")
+        return self._high | tag
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        return self._comm.send(t, dst, self._tag(tag))
+
+    def recv(self, src: int, tag: int = 0) -> torch.Tensor:
+        return self._comm.recv(src, self._tag(tag))
+
+    def __getattr__(self, name: str) -> Any:  # group(), device, ...: the communicator's own
+        return getattr(self._comm, name)
 
 
 #: op -> predicate: does this call's local kernel communicate (needs ``LocalContext.comm``)?

@@ -207,6 +207,7 @@ def run_rank(
     device: int = -1,
     torch_device: torch.device | None = None,
     comm: Any = None,
+    seq: int | None = None,
 ) -> list[torch.Tensor]:
     """One rank's local kernel: localize the call for this rank, substitute its shards, run the rule's kernel.
 
@@ -214,7 +215,8 @@ def run_rank(
     workers run every eager op through here, so it avoids per-call overhead (cached local shapes, a flat operand
     swap). ``torch_device`` (non-CPU workers): rules drop the global ``device=`` of factories, and aten overloads
     ignore ``torch.set_default_device``, so ops whose schema takes a ``device`` get the rank's explicitly. ``comm``
-    (workers): the rank's communicator, for kernels that communicate (``LocalContext.comm``)."""
+    (workers): the rank's communicator, for kernels that communicate (``LocalContext.comm``), ``seq`` the call's
+    number (``LocalContext.seq``)."""
     mesh_shape = tuple(mesh_shape)
     outs = [
         cached_local_shape_and_offset(tuple(m.shape), mesh_shape, tuple(pl), tuple(coordinate))
@@ -227,6 +229,7 @@ def run_rank(
         out_shapes=[shape for shape, _ in outs],
         out_offsets=[offset for _, offset in outs],
         comm=comm,
+        seq=seq,
     )
     by_operand = {id(x): t for x, t in zip(call.inputs, local, strict=True) if x is not None}
     args, kwargs = rule.localize(call, ctx)

@@ -184,6 +184,8 @@ class Kernel:
                 err.__cause__ = e
             if comm and err is None and self.board is not None and node.outputs:
                 err = self.board.get(node.outputs[0].id)  # a peer joined on zeros (below)
+            elif comm and err is not None:
+                self._join_on_zeros(node, err, call_site)  # the kernel failed here, maybe halfway through
         elif comm:
             self._join_on_zeros(node, err, call_site)
         if err is not None:
@@ -196,8 +198,10 @@ class Kernel:
 
     def _join_on_zeros(self, node: Operator, err: KernelError, call_site: str | None) -> None:
         """A communicating kernel (context-parallel attention, a norm over a sharded dim) whose input is poisoned on
-        this rank still runs, on zeros of the right local shapes: its peers wait for this rank's messages and must
-        never hang. The error is posted first, so the peers (which receive after it) poison their outputs too."""
+        this rank, or which failed here, runs (again) on zeros of the right local shapes: its peers wait for this
+        rank's messages and must never hang. The error is posted first, so the peers (which receive after it)
+        poison their outputs too. Messages a failed first attempt left behind carry this call's tag
+        (``LocalContext.seq``), so no later call takes them for its own."""
         if self.board is not None and node.outputs:
             self.board.post(node.outputs[0].id, err)
         zeros: list[Blob | None] = [
@@ -233,10 +237,19 @@ class Kernel:
                     device=self.device,
                     torch_device=self.torch_device,
                     comm=self.comm,
+                    seq=node.id,
                 )
         else:
             outs = run_local(
-                rule, call, info.coord, info.shape, local, placements_out, device=self.device, comm=self.comm
+                rule,
+                call,
+                info.coord,
+                info.shape,
+                local,
+                placements_out,
+                device=self.device,
+                comm=self.comm,
+                seq=node.id,
             )
         if len(outs) != len(node.outputs):
             raise KernelIOError(
