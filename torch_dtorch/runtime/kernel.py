@@ -215,9 +215,23 @@ class Kernel:
         except Exception:  # noqa: BLE001 - the outputs are poisoned by the caller anyway
             log.debug("worker %d: %s on zeros failed", self.device, node.name, exc_info=True)
 
-    def _compute(self, node: Operator, ins: list[Blob | None], call_site: str | None) -> None:
+    def _run_local(
+        self,
+        node: Operator,
+        info: _MeshInfo,
+        local: list[torch.Tensor | None],
+        placements_out: list[Any],
+        torch_device: torch.device | None,
+    ) -> list[torch.Tensor]:
         bound = node.payload
-        rule, call = bound.rule, bound.call
+        assert info.coord is not None
+        return run_local(
+            bound.rule, bound.call, info.coord, info.shape, local, placements_out,
+            device=self.device, torch_device=torch_device, comm=self.comm, seq=node.id,
+        )  # fmt: skip
+
+    def _compute(self, node: Operator, ins: list[Blob | None], call_site: str | None) -> None:
+        call = node.payload.call
         assert call.mesh is not None, f"{node.name}: operator without a mesh reached a worker"
         info = self.mesh_info(call.mesh)
         assert info.coord is not None
@@ -227,30 +241,9 @@ class Kernel:
         if stream is not None and stream.is_cuda:
             stream.wait_for(ins, COMPUTE)
             with stream.use(COMPUTE):
-                outs = run_local(
-                    rule,
-                    call,
-                    info.coord,
-                    info.shape,
-                    local,
-                    placements_out,
-                    device=self.device,
-                    torch_device=self.torch_device,
-                    comm=self.comm,
-                    seq=node.id,
-                )
+                outs = self._run_local(node, info, local, placements_out, self.torch_device)
         else:
-            outs = run_local(
-                rule,
-                call,
-                info.coord,
-                info.shape,
-                local,
-                placements_out,
-                device=self.device,
-                comm=self.comm,
-                seq=node.id,
-            )
+            outs = self._run_local(node, info, local, placements_out, None)
         if len(outs) != len(node.outputs):
             raise KernelIOError(
                 node.name,
