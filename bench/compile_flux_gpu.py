@@ -3,9 +3,10 @@
 The model is diffusers' ``FluxTransformer2DModel`` with the public FLUX.1-dev configuration (19 double + 38 single
 blocks, 24 heads x 128, joint_attention_dim 4096, pooled 768, guidance embeddings) and **random** bf16 weights created
 directly on the GPU (nothing is downloaded). A 1024x1024 image is 4096 packed latent tokens (64 channels), the prompt
-512 T5 tokens. Both are compiled first, then timed in ``--rounds`` alternating rounds (warm-up, then ``--steps`` synchronized
-forward steps each; the order flips every round), and each is the median of all its timed steps — a GPU whose clock
-drifts during the run (warming up, power limits) then affects both alike:
+512 T5 tokens. Both are compiled first (two copies of the weights are held), then timed in ``--rounds`` alternating
+rounds (warm-up, then ``--steps`` synchronized forward steps each; the order flips every round), and each is the
+median of all its timed steps — a GPU whose clock drifts during the run (warming up, power limits) then affects both
+alike:
 
 - (a) ``torch.compile(model)`` — inductor on plain CUDA tensors;
 - (b) ``torch.compile(model, backend="dtorch", options={"worker_compiler": "inductor"})`` on a 1-device CUDA mesh in

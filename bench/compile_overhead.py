@@ -74,7 +74,8 @@ def noop_backend(out: torch.Tensor) -> Callable[..., Any]:
 def replay_times(worker: Any, x: torch.Tensor, y: torch.Tensor, repeat: int) -> tuple[float, float]:
     """(seconds per replay of the newest program through the worker's handler, seconds to run the same compute
     segments directly), both in this thread with the workers idle (the chain has no collective), best of
-    ``repeat`` loops of each, taken in alternation: the replay overhead without the GIL contention of four worker threads on two cores."""
+    ``repeat`` loops of each, taken in alternation: the replay overhead without the GIL contention of four worker
+    threads on two cores."""
     from torch_dtorch.backend.program import _PROGRAMS, RunProgram, _execute
     from torch_dtorch.device.kernels import operand_of
 

@@ -282,13 +282,13 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
                     elif loaded.compiler == "inductor":
                         with _compat.default_device_mode_off():  # compiled code names its devices
                             outs = fn(*args)
-                        if loaded.cudagraphs:
-                            # a CUDA graph's outputs live in its memory pool; while one is still alive, CUDA graph
-                            # trees record a new graph rather than replay over it. Blobs outlive the call, so they
-                            # get their own copies and the graph keeps replaying in place
-                            outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
                     else:
                         outs = fn(*args)
+                    if loaded.cudagraphs and dev.type == "cuda":
+                        # a CUDA graph's outputs live in its memory pool; while one is still alive, CUDA graph
+                        # trees record a new graph rather than replay over it. Blobs outlive the call, so they
+                        # get their own copies (the first, compiling call's too) and the graph replays in place
+                        outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
                 except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
                     err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site,
                                       detail=f"in compute segment {index}")  # fmt: skip

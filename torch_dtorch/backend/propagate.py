@@ -43,9 +43,9 @@ class InputSpec:
 class Propagated:
     """The LogicalGraph of one captured graph under given input placements.
 
-    ``inputs`` are the graph's input operands in placeholder order, then one per tensor constant and mesh it is used
-    on (``constants`` holds their values, uploaded once per compiled variant to that operand's mesh); ``outputs`` holds, per graph output, an operand or a
-    plain Python value (``None``, ints)."""
+    ``inputs`` are the graph's input operands in placeholder order, then one per tensor constant and mesh it is
+    used on (``constants`` holds their values, uploaded once per compiled variant to that operand's mesh);
+    ``outputs`` holds, per graph output, an operand or a plain Python value (``None``, ints)."""
 
     graph: LogicalGraph
     mesh: DeviceMesh
