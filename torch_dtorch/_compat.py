@@ -85,23 +85,6 @@ def inductor_compile(gm: Any, example_inputs: Sequence[Any], *, mode: str | None
     return compiled
 
 
-@contextlib.contextmanager
-def default_device_mode_off() -> Iterator[None]:
-    """Run without this thread's ``torch.set_default_device`` mode. The mode is a ``TorchFunctionMode`` that every
-    torch call made from Python passes through (~1 µs each): inductor-generated code, which names its devices
-    itself, launched ~10% slower under it (measured on FLUX blocks, H200). ``torch._GLOBAL_DEVICE_CONTEXT`` is
-    where ``torch.set_default_device`` keeps it (a thread-local since torch 2.1)."""
-    ctx = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
-    if ctx is None:
-        yield
-        return
-    torch.set_default_device(None)
-    try:
-        yield
-    finally:
-        torch.set_default_device(ctx.device)
-
-
 def _ensure_cudagraph_tls() -> None:
     """Set up CUDA graph trees' thread-local state in this thread. torch < 2.12 does it only in the thread that
     imports ``torch._inductor.cudagraph_trees`` (and copies it into autograd's threads): a dtorch worker thread

@@ -5,12 +5,19 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
+from torch.overrides import _get_current_function_mode_stack
 
+from tests.executor.conftest import MakeExecutor
+from torch_dtorch.placement import Shard
 from torch_dtorch.runtime import Blob, KernelError, KernelIOError, KernelStream
+from torch_dtorch.runtime import kernel as kernel_module
 from torch_dtorch.runtime.kernel import PoisonBoard
+
+aten = torch.ops.aten
 
 
 def test_blob_holds_a_tensor_or_an_error() -> None:
@@ -54,6 +61,45 @@ def test_kernel_stream_runs_in_order_and_closes() -> None:
     assert s.stream("compute") is None  # no CUDA streams on the CPU
     with s.use("comm"):
         pass
+
+
+def _torch_function_state() -> tuple[bool, list[str], str]:
+    """This thread's torch function modes (``torch.set_default_device`` installs a ``DeviceContext``)."""
+    modes = [type(m).__name__ for m in _get_current_function_mode_stack()]
+    return torch._C._is_torch_function_mode_enabled(), modes, torch.get_default_device().type
+
+
+def test_kernel_stream_sets_no_default_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker thread has no default device: its TorchFunctionMode would tax every torch call made from Python.
+    Without a GPU the stream's CUDA calls are faked, so its CUDA path runs too."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    seen: dict[str, tuple[bool, list[str], str]] = {}
+    for device in ("cpu", "cuda:0"):
+        s = KernelStream(device, name="test-stream")
+        s.submit(lambda device=device: seen.setdefault(device, _torch_function_state()))
+        assert s.wait_idle(5.0) and s.close(timeout=5.0)
+    assert seen == {"cpu": (False, [], "cpu"), "cuda:0": (False, [], "cpu")}
+
+
+def test_kernels_run_without_torch_function_modes(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ex, mesh = make_executor((2,))
+    seen: list[tuple[bool, list[str], str]] = []
+    run_local = kernel_module.run_local
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(_torch_function_state())
+        return run_local(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "run_local", spy)
+    x = ex.input((4,), mesh, [Shard(0)])
+    ex.upload(x, torch.arange(4.0))
+    y = ex.call(aten.mul.Tensor, x, x)
+    assert torch.equal(ex.fetch(y).get(timeout=30), torch.arange(4.0) ** 2)
+    assert seen == [(False, [], "cpu")] * 2
 
 
 def test_poison_board_capacity() -> None:

@@ -15,7 +15,7 @@ from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Placements, Replicate, Shard
 from torch_dtorch.placement_rules import get_rule, intercept_list, rules_by_family
 from torch_dtorch.placement_rules.rule import OpPlan
-from torch_dtorch.placement_rules.simulate import assemble, coords, distribute, run_local
+from torch_dtorch.placement_rules.simulate import assemble, coords, distribute, run_local, run_rank
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -163,6 +163,28 @@ def test_random_sharded_equals_torch_under_seed(op: Any, args: tuple[Any, ...]) 
         op(*args)
         _, got2 = run(op, args, mesh, placements, out=None if is_like else out)
         assert torch.equal(got2, want2)
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        (aten.zeros.default, ([4, 6],)),
+        (aten.arange.default, (4,)),
+        (aten.arange.start_step, (0.5, 4.5, 0.5)),
+        (aten.linspace.default, (0.0, 1.0, 4)),
+        (aten.eye.m, (4, 6)),
+    ],
+    ids=str,
+)
+def test_factories_create_on_the_rank_device(op: Any, args: tuple[Any, ...]) -> None:
+    """Workers set no default device: factory kernels create on the rank's ``torch_device`` (``meta`` here)."""
+    call, _ = to_call(op, Sample(args), DeviceMesh.from_shape("cpu", (2,)), None)
+    rule = get_rule(op)
+    plan = rule.plan(call, prefer_outputs=((S(0),),))
+    meta = torch.device("meta")
+    for c in coords((2,)):
+        (out,) = run_rank(rule, call, c, (2,), [], plan.out_placements, device=c[0], torch_device=meta)
+        assert out.device == meta, (op, c)
 
 
 def test_like_ops_keep_placement() -> None:

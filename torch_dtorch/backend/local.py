@@ -265,6 +265,7 @@ def build_local_program(
             ],
             out_shapes=[s for s, _ in outs],
             out_offsets=[o for _, o in outs],
+            torch_device=torch_device,
         )
         args, kwargs = rule.localize(call, ctx)
         args, kwargs = map_operands((tuple(args), dict(kwargs)), lambda o: env[o.id])

@@ -278,12 +278,7 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
                     fn = fns[index]
                     if fn is None:
                         fn = _compile_segment(loaded, index, step, args)
-                        outs = fn(*args)
-                    elif loaded.compiler == "inductor":
-                        with _compat.default_device_mode_off():  # compiled code names its devices
-                            outs = fn(*args)
-                    else:
-                        outs = fn(*args)
+                    outs = fn(*args)
                     if loaded.cudagraphs and dev.type == "cuda":
                         # a CUDA graph's outputs live in its memory pool; while one is still alive, CUDA graph
                         # trees record a new graph rather than replay over it. Blobs outlive the call, so they

@@ -127,7 +127,7 @@ def _read(path: Path) -> torch.Tensor | RemoteError:
             mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             # the tensor keeps the mapping alive; the file may be unlinked at once (pop)
             return torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device="cpu")
         if nbytes:
             f.seek(offset)
             buf = out.reshape(-1).view(torch.uint8).numpy().data  # a writable memoryview of out's bytes

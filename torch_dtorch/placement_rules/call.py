@@ -85,6 +85,9 @@ class LocalContext:
     #: compiled call's output id and step): kernels that communicate tag their messages with it (``device_comm``);
     #: ``None`` in the simulator
     seq: int | None = None
+    #: where kernels create tensors that have no input to follow (a worker's ``cuda:i``; workers run without a
+    #: default device); ``None``: torch's default device (the simulator, CPU workers)
+    torch_device: torch.device | None = None
 
 
 @dataclass(slots=True)

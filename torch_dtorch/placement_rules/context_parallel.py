@@ -173,10 +173,14 @@ Coord = tuple[int, ...]
 PosFn = Callable[[Coord], torch.Tensor]
 
 
-def _range_pos(shape: tuple[int, ...], mesh_shape: tuple[int, ...], pl: Placements, dim: int) -> PosFn:
+def _range_pos(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], pl: Placements, dim: int, device: torch.device | None
+) -> PosFn:
     def pos(c: Coord) -> torch.Tensor:
         s, o = local_shape_and_offset(shape, mesh_shape, pl, c)
-        return torch.arange(o[dim], o[dim] + s[dim]) if s[dim] else torch.zeros(0, dtype=torch.long)
+        if not s[dim]:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.arange(o[dim], o[dim] + s[dim], device=device)
 
     return pos
 
@@ -217,11 +221,11 @@ def _relayout(
         for v in p.tolist():
             owner[v] = t
     mine = src_pos[me].tolist()
-    dest = torch.tensor([owner[v] for v in mine], dtype=torch.long)
+    dest = torch.tensor([owner[v] for v in mine], dtype=torch.long, device=src_pos[me].device)
     pieces = [x.index_select(dim, (dest == t).nonzero().flatten().to(x.device)) for t in range(len(devices))]
     got = exchange(comm, devices, me, pieces)
     got_pos = torch.cat(
-        [src_pos[s][torch.tensor([owner[v] == me for v in src_pos[s].tolist()], dtype=torch.bool)]
+        [src_pos[s][torch.tensor([owner[v] == me for v in src_pos[s].tolist()], device=src_pos[s].device)]
          if src_pos[s].numel() else src_pos[s] for s in range(len(devices))]
     )  # fmt: skip
     rows = torch.cat(got, dim=dim)
@@ -428,8 +432,8 @@ def run_context_parallel(call: OpCall, ctx: LocalContext, bound: dict[str, Any])
     assert qop is not None and kop is not None
     pq, pk = call.placements[0], call.placements[1]
     assert pq is not None and pk is not None
-    qpos_fn = _range_pos(qop.shape, ms, pq, qop.ndim - 2)
-    kpos_fn = _range_pos(kop.shape, ms, pk, kop.ndim - 2)
+    qpos_fn = _range_pos(qop.shape, ms, pq, qop.ndim - 2, ctx.torch_device)
+    kpos_fn = _range_pos(kop.shape, ms, pk, kop.ndim - 2, ctx.torch_device)
     mask_row_off = 0
     if mask is not None and mop is not None and mop.ndim >= 2 and mop.shape[-2] != 1:
         pm = call.placements[3]

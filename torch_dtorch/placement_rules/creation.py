@@ -17,8 +17,8 @@ Local execution: size arguments become this rank's local output shape; ``arange`
 within the float's mantissa), and otherwise — like ``linspace``, whose values depend on the global count — computes
 the global sequence and keeps the rank's slice, so sharded results equal the global op bit for bit. ``eye`` compares
 global row and column indices. ``device`` and ``pin_memory`` are dropped from the local arguments: the global
-device is the ``dtorch`` device, a worker runs kernels with its own device as the default device, and ``device=None``
-in ``*_like``/``new_*`` means "like self", which is local.
+device is the ``dtorch`` device; a worker passes its own device to ops that take one (kernels find it in
+``LocalContext.torch_device``), and ``device=None`` in ``*_like``/``new_*`` means "like self", which is local.
 
 Random factories (``rand``, ``randn``, ``rand_like``, ``randn_like``) equal single-device torch under the same seed:
 every rank draws the GLOBAL tensor (global shape and strides, so memory order matches) from the generator state the
@@ -108,7 +108,7 @@ def draw_global(
     if torch had run the op once — and later ranks do not touch it. A rank that runs the same call object again
     starts a new draw from the then current state.
     """
-    device = torch.get_default_device()
+    device = ctx.torch_device if ctx.torch_device is not None else torch.get_default_device()
     default = _default_generator(device)
     key = str(device)
     with _RNG_LOCK:
@@ -136,7 +136,7 @@ def _random_kernel(fill: str) -> Callable[[OpCall, LocalContext, tuple[Any, ...]
         meta = call.out_meta[0]
 
         def draw(gen: torch.Generator) -> torch.Tensor:
-            t = torch.empty_strided(meta.shape, meta.stride or (), dtype=meta.dtype)
+            t = torch.empty_strided(meta.shape, meta.stride or (), dtype=meta.dtype, device=gen.device)
             return t.uniform_(0, 1, generator=gen) if fill == "uniform" else t.normal_(0, 1, generator=gen)
 
         return rank_slice(draw_global(call, ctx, draw), ctx)
@@ -279,8 +279,8 @@ class _Eye(FactoryRule):
 
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         (r, c), (r0, c0) = ctx.out_shapes[0], ctx.out_offsets[0]
-        rows = torch.arange(r0, r0 + r).unsqueeze(1)
-        cols = torch.arange(c0, c0 + c).unsqueeze(0)
+        rows = torch.arange(r0, r0 + r, device=ctx.torch_device).unsqueeze(1)
+        cols = torch.arange(c0, c0 + c, device=ctx.torch_device).unsqueeze(0)
         return (rows == cols).to(call.out_meta[0].dtype)
 
 

@@ -213,10 +213,10 @@ def run_rank(
 
     ``local`` holds this rank's shard of every tensor slot of ``call`` (``None`` for absent optional slots). The
     workers run every eager op through here, so it avoids per-call overhead (cached local shapes, a flat operand
-    swap). ``torch_device`` (non-CPU workers): rules drop the global ``device=`` of factories, and aten overloads
-    ignore ``torch.set_default_device``, so ops whose schema takes a ``device`` get the rank's explicitly. ``comm``
-    (workers): the rank's communicator, for kernels that communicate (``LocalContext.comm``), ``seq`` the call's
-    number (``LocalContext.seq``)."""
+    swap). ``torch_device`` (non-CPU workers): rules drop the global ``device=`` of factories and workers set no
+    default device, so ops whose schema takes a ``device`` get the rank's explicitly, and rule kernels find it in
+    ``LocalContext.torch_device``. ``comm`` (workers): the rank's communicator, for kernels that communicate
+    (``LocalContext.comm``), ``seq`` the call's number (``LocalContext.seq``)."""
     mesh_shape = tuple(mesh_shape)
     outs = [
         cached_local_shape_and_offset(tuple(m.shape), mesh_shape, tuple(pl), tuple(coordinate))
@@ -230,6 +230,7 @@ def run_rank(
         out_offsets=[offset for _, offset in outs],
         comm=comm,
         seq=seq,
+        torch_device=torch_device,
     )
     by_operand = {id(x): t for x, t in zip(call.inputs, local, strict=True) if x is not None}
     args, kwargs = rule.localize(call, ctx)

@@ -81,9 +81,9 @@ class KernelStream:
 
     def _loop(self) -> None:
         if self.is_cuda:
-            # factories run with their rank's device as the default device (rules drop the global ``device=``)
+            # no ``torch.set_default_device``: its TorchFunctionMode would tax every torch call from Python; kernels
+            # name their devices (``LocalContext.torch_device``)
             torch.cuda.set_device(self.torch_device)
-            torch.set_default_device(self.torch_device)
         while True:
             fn = self._queue.get()
             if fn is _STOP:

@@ -300,7 +300,7 @@ def _dec_tensor(tree: dict[str, Any], bufs: list[memoryview]) -> torch.Tensor:
             f"tensor frame holds {buf.nbytes} bytes, {dtype} {shape} needs {numel * dtype.itemsize}"
         )
     if numel == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
     if buf.readonly:  # e.g. a bytes object: torch.frombuffer would warn about writes; copy once
         buf = memoryview(bytearray(buf))
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
