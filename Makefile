@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml setup.cfg
 	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	$(PIP) install '$(TORCH_PIN)'
 	$(PIP) install -e '.[dev]'
+	@# the native eager fast path, built once now rather than by the first import (falls back if it cannot be)
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from torch_dtorch.device import native; native.load()"
 	@touch $@
 
 demo: venv

@@ -2,7 +2,8 @@
 
 dtorch's **controller issue time** is the time the Python call takes to return (the workers run asynchronously);
 end-to-end throughput (issue + workers finishing) is reported separately. Prints a table and the ratio
-dtorch issue time / DTensor time (target <= 0.5).
+dtorch issue time / DTensor time (target <= 0.5). The header says which fast path ran (``DTORCH_NATIVE=0``: the
+Python one).
 
     .venv/bin/python bench/eager_overhead.py [--iters 3000]
 """
@@ -45,6 +46,7 @@ def ops(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--no-process", action="store_true", help="skip the process-mode row")
     args = p.parse_args()
     torch.set_num_threads(1)
     a, b = torch.randn(16, 16), torch.randn(16, 16)
@@ -84,16 +86,30 @@ def main() -> None:
             rows[name][f"dtorch e2e {n}-dev"] = (time.perf_counter() - t0) / args.iters * 1e6
     dt.shutdown()
 
+    if not args.no_process:
+        # the worker in another process: the controller shares the GIL only with its own sender threads
+        mesh = dt.init_device_mesh("cpu", (1,), mode="process")
+        da, db = dt.distribute_tensor(a, mesh, [Replicate()]), dt.distribute_tensor(b, mesh, [Replicate()])
+        for name, fn in ops(da, db).items():
+            rows[name]["dtorch issue 1-dev, process mode"] = per_op_us(fn, args.iters)
+            dt.sync()
+        dt.shutdown()
+
     cols = list(next(iter(rows.values())).keys())
+    from torch_dtorch.device.tensors import TABLE
+
     print(
-        f"# eager per-op overhead, µs/op ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})"
+        f"# eager per-op overhead, µs/op ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"fast path: {'native' if TABLE.native else 'python'})"
     )
     ratios = [
         ("controller 1-dev ÷ DTensor", "dtorch issue 1-dev, controller only"),
         ("controller 4-dev ÷ DTensor", "dtorch issue 4-dev, controller only"),
         ("issue 1-dev ÷ DTensor", "dtorch issue 1-dev"),
         ("issue 4-dev ÷ DTensor", "dtorch issue 4-dev"),
+        ("issue 1-dev process ÷ DTensor", "dtorch issue 1-dev, process mode"),
     ]
+    ratios = [(r, c) for r, c in ratios if c in cols]
     print("| op | " + " | ".join(cols) + " | " + " | ".join(r for r, _ in ratios) + " |")
     print("|---" * (len(cols) + len(ratios) + 1) + "|")
     for name, r in rows.items():

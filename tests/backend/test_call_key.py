@@ -22,6 +22,7 @@ def test_memo_matches_fast_key_as_inputs_change() -> None:
         assert memo.key(gen, args) == fast_key(gen, args)
 
     x = dt.distribute_tensor(torch.randn(4, 3), mesh, [Replicate()])
+    assert fast_key(gen, [x, *params]) is not None  # live bound tensors always have a key (the hot path)
     check([x, *params])
     check([x, *params])  # unchanged: the remembered key
     y = dt.distribute_tensor(torch.randn(4, 3), mesh, [Shard(1)])

@@ -3,8 +3,8 @@
 A compiled model is called with its parameters as graph inputs (a FLUX.1-dev transformer: about a thousand), so
 deriving the key input by input (storage -> table entry -> layout) cost ~3 µs per input and call.
 :class:`CallKeyMemo` remembers the last call's inputs (weakly), their table entries and layout ids: the next call
-re-derives only the inputs that are not the same tensor objects, then checks in one pass that no remembered entry
-was rebound (a ``copy_`` into a parameter, a freed storage).
+re-derives only the inputs that are not the same tensor objects, then checks in one pass (``TABLE.tokens_valid``)
+that no remembered binding changed (a ``copy_`` into a parameter, a freed storage).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from torch import Tensor
+
 from torch_dtorch.device.fastpath import layout_of
 from torch_dtorch.device.tensors import TABLE
 
@@ -23,18 +25,19 @@ __all__ = ["CallKeyMemo", "fast_key"]
 Key = tuple[tuple[int, ...], list[int]]
 
 
-def _entry(generation: int, a: Any) -> tuple[int, Any] | None:
-    """``(storage key, table entry)`` of a live, bound dtorch tensor of this generation; else ``None``."""
+def _entry(generation: int, a: Any) -> Any | None:
+    """The table entry of a live, bound dtorch tensor of this generation; else ``None``."""
+    if not isinstance(a, Tensor):
+        return None
     try:
-        key = id(a.untyped_storage())
-        e = TABLE._entries.get(key)
-        if e is None or e.generation != generation or a.shape != e.shape or e.operand.mesh is None:
-            return None
-    except (AttributeError, RuntimeError):  # not a tensor; a tensor without storage
+        e = TABLE.entry(a)
+    except RuntimeError:  # a tensor without storage
+        return None
+    if e is None or e.generation != generation or a.shape != e.shape or e.operand.mesh is None:
         return None
     if e.layout is None:
-        e.layout = layout_of(e.operand)
-    return key, e
+        TABLE.set_layout(a, e, layout_of(e.operand))
+    return e
 
 
 def fast_key(generation: int, args: Sequence[Any]) -> Key | None:
@@ -43,10 +46,9 @@ def fast_key(generation: int, args: Sequence[Any]) -> Key | None:
     key = [generation]
     ids: list[int] = []
     for a in args:
-        found = _entry(generation, a)
-        if found is None:
+        e = _entry(generation, a)
+        if e is None:
             return None
-        e = found[1]
         key.append(e.layout)
         ids.append(e.operand.id)
     return tuple(key), ids
@@ -56,13 +58,12 @@ class CallKeyMemo:
     """:func:`fast_key` of the last call's inputs, updated incrementally (one per compiled graph). A call that
     finds another thread inside computes the key from scratch."""
 
-    __slots__ = ("_entries", "_generation", "_ids", "_key", "_keys", "_lids", "_lock", "_refs")
+    __slots__ = ("_generation", "_ids", "_key", "_lids", "_lock", "_refs", "_tokens")
 
     def __init__(self) -> None:
         self._generation = -1
         self._refs: list[Any] = []
-        self._keys: list[int] = []
-        self._entries: list[Any] = []
+        self._tokens: list[Any] = []
         self._lids: list[int] = []
         self._ids: list[int] = []
         self._key: tuple[int, ...] | None = None
@@ -83,20 +84,19 @@ class CallKeyMemo:
         refs = self._refs
         same = list(map(operator.is_, args, [r() for r in refs]))
         if not all(same):
-            keys, entries, lids, ids = self._keys, self._entries, self._lids, self._ids
+            tokens, lids, ids = self._tokens, self._lids, self._ids
             for i in [i for i, s in enumerate(same) if not s]:
                 a = args[i]
-                found = _entry(generation, a)
-                if found is None:
+                e = _entry(generation, a)
+                if e is None:
                     self._generation = -1
                     return None
-                k, e = found
-                refs[i], keys[i], entries[i] = weakref.ref(a), k, e
+                refs[i], tokens[i] = weakref.ref(a), e.token
                 if lids[i] != e.layout:
                     lids[i] = e.layout
                     self._key = None
                 ids[i] = e.operand.id
-        if any(map(operator.is_not, map(TABLE._entries.get, self._keys), self._entries)):  # rebound or freed
+        if not TABLE.tokens_valid(args, self._tokens):  # rebound (a copy_ into an input) or freed
             return self._rebuild(generation, args)
         if self._key is None:
             self._key = (generation, *self._lids)
@@ -104,18 +104,16 @@ class CallKeyMemo:
 
     def _rebuild(self, generation: int, args: Sequence[Any]) -> Key | None:
         self._generation = -1
-        refs, keys, entries, lids, ids = [], [], [], [], []
+        refs, tokens, lids, ids = [], [], [], []
         for a in args:
-            found = _entry(generation, a)
-            if found is None:
+            e = _entry(generation, a)
+            if e is None:
                 return None
-            k, e = found
             refs.append(weakref.ref(a))
-            keys.append(k)
-            entries.append(e)
+            tokens.append(e.token)
             lids.append(e.layout)
             ids.append(e.operand.id)
-        self._refs, self._keys, self._entries, self._lids, self._ids = refs, keys, entries, lids, ids
+        self._refs, self._tokens, self._lids, self._ids = refs, tokens, lids, ids
         self._key = (generation, *lids)
         self._generation = generation
         return self._key, list(ids)

@@ -15,6 +15,7 @@ and takes the full path, which is always correct.
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 from torch import Tensor
@@ -28,7 +29,7 @@ from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
 from torch_dtorch.placement_rules.rule import add_rule_listener
 
-__all__ = ["MISS", "FastOp", "fast_op", "layout_of", "stats"]
+__all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "native_kernel", "stats"]
 
 #: returned by :meth:`FastOp.__call__` when the call must take the full path
 MISS: Any = object()
@@ -39,8 +40,12 @@ _LAYOUTS: dict[tuple[Any, ...], int] = {}
 _LAYOUT_IDS = itertools.count(1)
 _MAX_LAYOUTS = 1 << 16
 
-#: hits / misses / templates recorded (for tests and benchmarks)
+#: hits / misses / templates recorded (for tests and benchmarks; the native kernel's hits and misses included)
 stats = {"hit": 0, "miss": 0, "recorded": 0}
+
+#: per thread, the template the last Python fast-path call used or recorded (the native kernel learns it)
+_LEARNED = threading.local()
+_LEARNED.tpl = None
 
 
 def layout_of(x: Operand) -> int:
@@ -55,7 +60,7 @@ def layout_of(x: Operand) -> int:
 
 
 class _Template:
-    __slots__ = ("plan", "out_layouts", "mesh")
+    __slots__ = ("plan", "out_layouts", "mesh", "owner", "skeleton", "tail")
 
     def __init__(
         self,
@@ -66,6 +71,8 @@ class _Template:
         outputs: list[Operand],
         mesh: Any,
         slot_pos: tuple[int, ...],
+        owner: FastOp,
+        targs: list[Any],
     ) -> None:
         targets = plan.match.in_targets
         assert call.mesh is not None or not moved
@@ -77,6 +84,23 @@ class _Template:
         self.plan = FastPlan(rule, call, targets, out_specs, plan.assign, plan.cost, moves)
         self.out_layouts = tuple(layout_of(o) for o in outputs)
         self.mesh = mesh  # the mesh of the first tensor input (the runtime's "last mesh" after the call)
+        self.owner = owner
+        # the recorded call's positional arguments: the native kernel's hits only send the tensor inputs (its key
+        # holds every constant, so a hit's constants are these)
+        self.skeleton = tuple(targs)
+        n = owner.dense
+        self.tail = self.skeleton[n:] if n and len(targs) >= n else None
+
+    def args_for(self, inputs: list[Operand | None]) -> tuple[Any, ...]:
+        """The positional arguments of a call with these tensor inputs (one per tensor slot)."""
+        if self.tail is not None:
+            return (*inputs[: self.owner.dense], *self.tail)
+        args = list(self.skeleton)
+        n = len(args)
+        for p, x in zip(self.owner.slot_pos, inputs, strict=True):
+            if p < n:
+                args[p] = x
+        return tuple(args)
 
 
 class FastOp:
@@ -98,14 +122,14 @@ class FastOp:
         if rt is None:
             return MISS
         gen = rt.generation
-        entries = TABLE._entries
+        entry = TABLE.entry
         key: list[Any] = []
         targs = list(args)
         first: Operand | None = None
         i = 0
         for a in args:
             if isinstance(a, Tensor):
-                e = entries.get(id(a.untyped_storage()))
+                e = entry(a)
                 if e is None or e.generation != gen or a.shape != e.shape:
                     return MISS
                 x = e.operand
@@ -113,7 +137,8 @@ class FastOp:
                     return MISS
                 lid = e.layout
                 if lid is None:
-                    lid = e.layout = layout_of(x)
+                    lid = layout_of(x)
+                    TABLE.set_layout(a, e, lid)
                 key.append(lid)
                 targs[i] = x
                 if first is None:
@@ -142,6 +167,7 @@ class FastOp:
         if tpl is None:
             return self._record(rt, args, kwargs, targs, tuple(key))
         stats["hit"] += 1
+        _LEARNED.tpl = tpl
         n = self.dense
         if n and i >= n:
             inputs = targs[:n] if i > n else targs
@@ -181,7 +207,10 @@ class FastOp:
         first = next(x for x in expected if x is not None)
         if len(self.cache) >= _TEMPLATES_PER_OP:
             self.cache.clear()
-        self.cache[key] = _Template(rule, call, plan, moved, outputs, first.mesh, self.slot_pos)
+        tpl = self.cache[key] = _Template(
+            rule, call, plan, moved, outputs, first.mesh, self.slot_pos, self, targs
+        )
+        _LEARNED.tpl = tpl
         stats["recorded"] += 1
         return out
 
@@ -195,6 +224,8 @@ def _rule_changed(op: Any) -> None:
     fast = _FAST.get(op)
     if fast is not None:
         fast.cache.clear()
+    if NATIVE is not None:
+        NATIVE.invalidate()
 
 
 add_rule_listener(_rule_changed)
@@ -225,3 +256,64 @@ def fast_op(op: Any) -> FastOp | None:
             fast = FastOp(op, tuple(pos for pos, _, _ in specs), kind, rule.view_of)  # type: ignore[misc]
     _FAST[op] = fast
     return fast
+
+
+# --- the native kernel's side (torch_dtorch/device/_native.cpp) ------------------------------------------------------
+
+#: the C++ extension when the tensor table is native, else ``None`` (the Python fast path above serves every call)
+NATIVE: Any = TABLE._m if TABLE.native else None  # type: ignore[union-attr]
+
+
+def _native_hit(tpl: _Template, inputs: list[Operand | None]) -> list[Operand] | None:
+    """A hit of the native kernel: record the operator; the kernel makes the output tensors. ``None``: no runtime."""
+    rt = state._RUNTIME
+    if rt is None:
+        return None
+    stats["hit"] += 1
+    outs = rt.executor.record_fast(tpl.plan, tpl.args_for(inputs), inputs)
+    rt.last_mesh = tpl.mesh
+    return outs
+
+
+def _layout_of_operand(x: Operand) -> int:
+    return -2 if x.mesh is None else layout_of(x)
+
+
+def _take_learned() -> _Template | None:
+    tpl = getattr(_LEARNED, "tpl", None)
+    _LEARNED.tpl = None
+    return tpl
+
+
+if NATIVE is not None:
+    NATIVE.set_hooks(_native_hit, _layout_of_operand, _take_learned)
+
+
+def native_kernel(op: Any, fast: FastOp) -> Any:
+    """The Python kernel behind ``op``'s native kernel (it runs on the native kernel's misses): the Python fast
+    path, counted as one miss."""
+    miss = MISS
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        hits, misses = stats["hit"], stats["miss"]
+        out = fast(args, kwargs)
+        if out is miss:
+            out = kernels.dispatch(op, args, kwargs)
+        stats["hit"], stats["miss"] = hits, misses + 1
+        return out
+
+    kernel.__name__ = f"dtorch_native_miss_{op}"
+    return kernel
+
+
+def register_native(op: Any, fast: FastOp) -> bool:
+    """Put ``op``'s native kernel on the dtorch key (its Python kernel on PrivateUse2, where the native one
+    redispatches on a miss). False when the extension is not loaded."""
+    if NATIVE is None:
+        return False
+    name = op._schema.name.split("::", 1)[1]
+    if op._overloadname != "default":
+        name = f"{name}.{op._overloadname}"
+    kind = {"single": 0, "tuple": 1, "list": 2}[fast.kind]
+    NATIVE.register_kernel(op.namespace, name, fast, kind, fast.view_of is not None, list(fast.slot_pos))
+    return True

@@ -189,7 +189,13 @@ def _impl_generic(lib: torch.library.Library, op: Any) -> None:
     generic = _generic(op)
     if op is aten.copy_.default:
         generic = _copy_inplace(generic)
-    lib.impl(_schema_name(op), generic, "PrivateUse1")
+    fast = fastpath.fast_op(op)
+    if fast is not None and fastpath.NATIVE is not None:
+        # the native kernel on the dtorch key; the Python one behind it, on PrivateUse2, serves its misses
+        lib.impl(_schema_name(op), fastpath.native_kernel(op, fast), "PrivateUse2")
+        fastpath.register_native(op, fast)
+    else:
+        lib.impl(_schema_name(op), generic, "PrivateUse1")
     _KERNELS[op] = "generic"
     _BACKEND_KERNELS[op] = generic
 
@@ -452,7 +458,10 @@ def ensure_registered() -> None:
                 _KERNELS[op] = "refused"
         for op in intercept_list():
             if not isinstance(op, str) and has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd"):
-                lib.impl(_schema_name(op), _autograd(op), "AutogradPrivateUse1")
+                if fastpath.NATIVE is not None and _KERNELS.get(op) == "generic":
+                    fastpath.NATIVE.register_composite(op.namespace, _schema_name(op))
+                else:
+                    lib.impl(_schema_name(op), _autograd(op), "AutogradPrivateUse1")
         fallback = torch.library.Library("_", "IMPL")
         _LIBS.append(fallback)
         fallback.fallback(_fallback, "PrivateUse1")

@@ -131,6 +131,9 @@ def start_runtime(
         runner = _make_runner(mode, device_type, num_devices, simulate, cluster)
         _GENERATION += 1
         executor = EagerGraphExecutor(runner)
+        from torch_dtorch.device.tensors import TABLE
+
+        executor.collect = TABLE.drain
         if device_type != "cpu":
             executor.result_device = torch.device(
                 device_type, 0

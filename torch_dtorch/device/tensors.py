@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from torch_dtorch._compat import create_empty_tensor
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.graph import Operand
 
-__all__ = ["DEVICE_NAME", "StaleTensorError", "TensorTable", "is_dtorch"]
+__all__ = ["DEVICE_NAME", "NativeTable", "StaleTensorError", "TensorTable", "is_dtorch"]
 
 DEVICE_NAME = "dtorch"
 
@@ -41,6 +42,8 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
 
     __slots__ = ("key", "on_free", "operand", "generation", "shape", "layout")
     key: int
+    #: what :meth:`TensorTable.tokens_valid` checks: the entry itself (a rebinding replaces it)
+    token = property(lambda self: self)
     on_free: Callable[[Operand], None]
     operand: Operand
     generation: int
@@ -50,7 +53,12 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
 
 
 class TensorTable:
-    """Maps storages of live dtorch tensors to operands; calls ``on_free(operand)`` when a storage dies."""
+    """Maps storages of live dtorch tensors to operands; calls ``on_free(operand)`` when a storage dies.
+
+    This is the pure-Python table (``DTORCH_NATIVE=0``, or no C++ compiler); :class:`NativeTable` has the same
+    interface over the C++ extension."""
+
+    native = False
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
@@ -123,6 +131,20 @@ class TensorTable:
         """The raw entry of ``t``'s storage, or ``None`` (the eager fast path checks generation/shape itself)."""
         return self._entries.get(id(t.untyped_storage()))
 
+    def set_layout(self, t: torch.Tensor, entry: Any, layout: int) -> None:
+        """Remember the interned layout id of ``entry`` (``t``'s)."""
+        entry.layout = layout
+
+    def tokens_valid(self, tensors: Sequence[torch.Tensor], tokens: Sequence[Any]) -> bool:
+        """Whether every ``tokens[i]`` (an entry's ``token``) still stands for ``tensors[i]``'s binding: false after
+        a rebinding (``copy_`` into it) or once its storage died."""
+        get = self._entries.get
+        return all(get(e.key) is e for e in tokens)
+
+    def drain(self) -> int:
+        """Free what died (the native table queues frees; here weak-reference callbacks ran already)."""
+        return 0
+
     def lookup(self, t: torch.Tensor, generation: int) -> Operand:
         entry = self._entries.get(id(t.untyped_storage()))
         if entry is None:
@@ -146,4 +168,112 @@ class TensorTable:
         return len(self._entries)
 
 
-TABLE = TensorTable()
+class _EntryView:
+    """A native entry as :class:`TensorTable` shows its entries (a snapshot; ``layout`` is written back through
+    :meth:`NativeTable.set_layout`)."""
+
+    __slots__ = ("operand", "generation", "shape", "layout", "token")
+
+    def __init__(
+        self, operand: Operand, generation: int, shape: tuple[int, ...], layout: int | None, token: int
+    ):
+        self.operand, self.generation, self.shape, self.layout, self.token = (
+            operand,
+            generation,
+            shape,
+            layout,
+            token,
+        )
+
+
+class NativeTable:
+    """:class:`TensorTable`'s interface over the C++ table of ``torch_dtorch/device/_native.cpp``: the entry lives in
+    the storage's ``DataPtr`` context, and its deleter queues the free, run with the GIL at the next op or
+    :meth:`drain`."""
+
+    native = True
+
+    def __init__(self, module: Any) -> None:
+        self._m = module
+        self._wrap = module.wrap
+        self._lookup = module.lookup
+
+    def wrap(
+        self,
+        operand: Operand,
+        generation: int,
+        on_free: Callable[[Operand], None],
+        layout: int | None = None,
+        *,
+        view: bool = False,
+    ) -> torch.Tensor:
+        """A new dtorch tensor standing for ``operand`` (``view``: it is a view of another dtorch tensor, so it is a
+        normal tensor even under ``inference_mode``)."""
+        return self._wrap(
+            operand, on_free, generation, -1 if layout is None else layout, operand.shape, operand.dtype, view
+        )
+
+    def wrap_view(
+        self, operand: Operand, generation: int, on_free: Callable[[Operand], None], layout: int | None = None
+    ) -> torch.Tensor:
+        return self._wrap(
+            operand, on_free, generation, -1 if layout is None else layout, operand.shape, operand.dtype, True
+        )
+
+    def bind(
+        self, t: torch.Tensor, operand: Operand, generation: int, on_free: Callable[[Operand], None]
+    ) -> None:
+        if not self._m.bind(t, operand, on_free, generation):
+            raise DTorchError(
+                f"internal: a dtorch tensor of shape {tuple(t.shape)} has a storage dtorch did not make; it cannot "
+                "be rebound (please report how it was created)"
+            )
+
+    def entry(self, t: torch.Tensor) -> _EntryView | None:
+        r = self._lookup(t)
+        return None if r is None else _EntryView(*r)
+
+    def set_layout(self, t: torch.Tensor, entry: Any, layout: int) -> None:
+        entry.layout = layout
+        self._m.set_layout(t, layout)
+
+    def tokens_valid(self, tensors: Sequence[torch.Tensor], tokens: Sequence[Any]) -> bool:
+        return bool(self._m.same_serials(tensors, tokens))
+
+    def lookup(self, t: torch.Tensor, generation: int) -> Operand:
+        r = self._lookup(t)
+        if r is None:
+            raise StaleTensorError(
+                f"this dtorch tensor (shape {tuple(t.shape)}) is not known to the running workers; it was made "
+                "by a worker pool that has been shut down or restarted — recreate it"
+            )
+        operand, gen, shape, _, _ = r
+        if gen != generation:
+            raise StaleTensorError(
+                f"this dtorch tensor (shape {tuple(t.shape)}) belongs to a worker pool that was restarted "
+                "(init_device_mesh with other settings, or shutdown); recreate it on the new mesh"
+            )
+        if tuple(t.shape) != shape:
+            raise DTorchError(
+                f"a dtorch tensor of shape {tuple(t.shape)} shares storage with one of shape {shape}: it was "
+                "made by an aliasing op dtorch did not see (as_strided / set_ / resize_), which is not supported"
+            )
+        return operand
+
+    def drain(self) -> int:
+        return int(self._m.drain())
+
+    def __len__(self) -> int:
+        self._m.drain()
+        return int(self._m.live())
+
+
+def _make_table() -> TensorTable | NativeTable:
+    from torch_dtorch.device import native
+
+    module = native.load()
+    return TensorTable() if module is None else NativeTable(module)
+
+
+#: the process's tensor table (native when the extension is available)
+TABLE: TensorTable | NativeTable = _make_table()

@@ -94,6 +94,9 @@ class EagerGraphExecutor(PlannedRecording):
         #: output id -> ids of the redistributed input copies its view keeps alive (freed with it)
         self._owned: dict[int, list[int]] = {}
         self._last = 0.0
+        #: called (without the lock) before a flush or sync: the device layer's table queues the frees of dead
+        #: tensors (the native table's storage deleters cannot call Python) and hands them over here
+        self.collect: Callable[[], object] | None = None
         self._keys = itertools.count()
         self._closed = False
         self._wake = threading.Event()
@@ -319,6 +322,8 @@ class EagerGraphExecutor(PlannedRecording):
     # --- synchronization ----------------------------------------------------------------------------------------
     def flush(self) -> None:
         """Send the pending instructions to the workers now."""
+        if self.collect is not None:
+            self.collect()
         with self._lock:
             self._flush_locked()
 
@@ -333,6 +338,8 @@ class EagerGraphExecutor(PlannedRecording):
 
     def sync(self, timeout: float | None = None) -> None:
         """Flush and wait until every worker has run everything issued so far (a barrier round trip)."""
+        if self.collect is not None:
+            self.collect()
         with self._lock:
             self._check_open()
             if self._dead:

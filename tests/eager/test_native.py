@@ -1,0 +1,209 @@
+"""The native (C++) tensor table and fast kernel (device/_native.cpp), and the pure-Python fallback.
+
+The tests above the fallback section hold for either table; the suite runs them with the native one, and
+``test_python_fallback_passes_the_fast_path_tests`` runs them again (with the fast-path and call-key tests) with
+``DTORCH_NATIVE=0``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_dtorch as dt
+from tests.eager.conftest import init_mesh
+from torch_dtorch import Replicate, Shard
+from torch_dtorch.device.kernels import operand_of
+from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.tensors import TABLE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_view_under_inference_mode_is_a_normal_tensor_of_a_normal_base() -> None:
+    """As in torch: a view made under ``inference_mode`` of a normal tensor is a normal tensor (autograd links it
+    to its base's version counter); anything else made there is an inference tensor. Replays included."""
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)])
+    with torch.inference_mode():
+        for _ in range(3):
+            v, y = x.view(24), x + x
+            assert not v.is_inference() and y.is_inference()
+            assert y.view(24).is_inference()
+    torch.testing.assert_close(v.full_tensor(), x.full_tensor().view(24))
+
+
+def test_dead_tensors_are_freed_by_the_next_op_or_sync() -> None:
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+    freed: list[int] = []
+    release = get_runtime().executor.release
+    get_runtime().executor.release = lambda oid: (freed.append(oid), release(oid))  # type: ignore[method-assign]
+    try:
+        y = x + x
+        oid = operand_of(y).id
+        del y
+        gc.collect()
+        dt.sync()
+        assert oid in freed
+        z = x * 2
+        w = z.view(64)  # a view keeps its base tensor alive (autograd's ``_base``)
+        zid, wid = operand_of(z).id, operand_of(w).id
+        del z
+        x - x
+        assert zid not in freed
+        del w
+        x - x  # the next op frees both
+        assert zid in freed and wid in freed
+    finally:
+        get_runtime().executor.release = release  # type: ignore[method-assign]
+
+
+def test_aliases_keep_the_operand_until_the_last_dies() -> None:
+    """``detach``, ``nn.Parameter(t)`` and ``.data`` share the storage, so they stand for the same operand."""
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(1)])
+    y = x + 1
+    p = torch.nn.Parameter(y)
+    d = y.detach()
+    assert operand_of(p) is operand_of(y) is operand_of(d) is operand_of(p.data)
+    want = y.full_tensor()
+    del y
+    gc.collect()
+    dt.sync()
+    torch.testing.assert_close((p + d).full_tensor(), want * 2)
+
+
+def test_threads_issuing_ops_at_once_each_get_their_own_results() -> None:
+    mesh = init_mesh((2,))
+    base = torch.randn(8, 8)
+    shared = dt.distribute_tensor(base, mesh, [Shard(0)])
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            mine = dt.distribute_tensor(torch.full((8, 8), float(k)), mesh, [Replicate()])
+            acc = shared * 0
+            for _ in range(200):
+                acc = acc + mine
+                acc.view(64)
+            torch.testing.assert_close(acc.full_tensor(), torch.full((8, 8), 200.0 * k))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_stale_and_foreign_tensors_are_refused_clearly() -> None:
+    from torch_dtorch.device.tensors import StaleTensorError
+
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    assert TABLE.entry(torch.randn(2)) is None  # a CPU tensor is not in the table
+    gen = get_runtime().generation
+    with pytest.raises(StaleTensorError, match="restarted"):
+        TABLE.lookup(x, gen + 1)
+
+
+# --- native only -------------------------------------------------------------------------------------------------
+
+native_only = pytest.mark.skipif(
+    not TABLE.native, reason="runs with the native table (this run is the DTORCH_NATIVE=0 fallback)"
+)
+
+
+@native_only
+def test_native_kernel_serves_repeated_calls() -> None:
+    """Plain, view and composite (matmul) ops hit in C++ from the second call on: the kernel learned each call's
+    template from the Python path."""
+    mesh = init_mesh((2,))
+    a = dt.distribute_tensor(torch.randn(6, 6), mesh, [Shard(0)])
+    b = dt.distribute_tensor(torch.randn(6, 6), mesh, [Replicate()])
+    for fn in (lambda: a + b, lambda: a.view(36), lambda: a @ b, lambda: a.sum(1), lambda: a.split(2, dim=1)):
+        fn()
+        before = TABLE._m.stats()  # type: ignore[union-attr]
+        for _ in range(3):
+            fn()
+        after = TABLE._m.stats()  # type: ignore[union-attr]
+        assert after["hit"] - before["hit"] == 3 and after["miss"] == before["miss"], (before, after)
+    torch.testing.assert_close((a @ b).full_tensor(), a.full_tensor() @ b.full_tensor())
+
+
+@native_only
+def test_native_table_live_count_stays_flat() -> None:
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    x + x
+    before = len(TABLE)
+    for _ in range(1000):
+        x = x + 1
+    assert len(TABLE) <= before + 2
+
+
+def test_rule_change_clears_the_cached_templates() -> None:
+    """A rule replaced after calls were cached serves the next call (no stale template, native or Python)."""
+    from torch_dtorch.placement_rules import register_rule, sig, unregister_rule
+
+    aten = torch.ops.aten
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    for _ in range(2):
+        assert x.neg().placements == (Shard(0),)
+    good = unregister_rule(aten.neg.default)
+    try:
+        register_rule(aten.neg.default, family="pointwise")(lambda call: [sig([Replicate()], Replicate())])
+        for _ in range(2):
+            y = x.neg()
+            assert y.placements == (Replicate(),)
+            torch.testing.assert_close(y.full_tensor(), -x.full_tensor())
+    finally:
+        unregister_rule(aten.neg.default)
+        register_rule(aten.neg.default, family="pointwise")(good)
+    assert x.neg().placements == (Shard(0),)
+
+
+# --- the fallback ------------------------------------------------------------------------------------------------
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@native_only
+def test_python_fallback_passes_the_fast_path_tests() -> None:
+    files = ["tests/eager/test_native.py", "tests/eager/test_fastpath.py", "tests/backend/test_call_key.py"]
+    r = _run(["-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *files], {"DTORCH_NATIVE": "0"}, 600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
+
+
+@native_only
+def test_no_compiler_falls_back_with_one_warning(tmp_path: Path) -> None:
+    code = (
+        "import logging, torch, torch_dtorch as dt\n"
+        "from torch_dtorch.device.tensors import TABLE\n"
+        "m = dt.init_device_mesh('cpu', (2,))\n"
+        "x = dt.distribute_tensor(torch.arange(4.0), m, [dt.Shard(0)])\n"
+        "print(type(TABLE).__name__, (x + x).full_tensor().tolist())\n"
+    )
+    env = {"DTORCH_NATIVE_DIR": str(tmp_path), "CXX": "/bin/false", "DTORCH_NATIVE": "1"}
+    r = _run(["-c", code], env, 300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "TensorTable [0.0, 2.0, 4.0, 6.0]", r.stdout
+    assert r.stderr.count("native fast path could not be built") == 1, r.stderr[-3000:]
