@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import torch_dtorch as dt
-from tests.eager.conftest import init_mesh
+from tests.eager.conftest import init_mesh, thread_only
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.device.kernels import operand_of
 from torch_dtorch.device.state import get_runtime
@@ -117,6 +117,19 @@ def test_stale_and_foreign_tensors_are_refused_clearly() -> None:
         TABLE.lookup(x, gen + 1)
 
 
+def test_a_restarted_pool_refuses_old_tensors_even_on_cached_calls() -> None:
+    from torch_dtorch.device.tensors import StaleTensorError
+
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    for _ in range(2):
+        x + x  # cached
+    dt.shutdown()
+    init_mesh((2,))  # a new pool: nothing was wrapped on it yet
+    with pytest.raises(StaleTensorError, match="restarted"):
+        x + x
+
+
 # --- native only -------------------------------------------------------------------------------------------------
 
 native_only = pytest.mark.skipif(
@@ -152,6 +165,7 @@ def test_native_table_live_count_stays_flat() -> None:
     assert len(TABLE) <= before + 2
 
 
+@thread_only  # worker processes find rules in their own registry (a run-time rule needs DTORCH_WORKER_IMPORTS)
 def test_rule_change_clears_the_cached_templates() -> None:
     """A rule replaced after calls were cached serves the next call (no stale template, native or Python)."""
     from torch_dtorch.placement_rules import register_rule, sig, unregister_rule

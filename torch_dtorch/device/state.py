@@ -139,6 +139,9 @@ def start_runtime(
                 device_type, 0
             )  # values come back where the controller computes
         _RUNTIME = Runtime(device_type, num_devices, simulate, executor, _GENERATION, mode=mode)
+        from torch_dtorch.device.kernels import _free_callback
+
+        _free_callback(_RUNTIME)  # the native table learns the new generation now (its cached templates go)
         return _RUNTIME
 
 
@@ -160,6 +163,10 @@ def shutdown() -> None:
     global _RUNTIME
     with _LOCK:
         rt, _RUNTIME = _RUNTIME, None
+    from torch_dtorch.device.tensors import TABLE
+
+    if TABLE.native:
+        TABLE._m.set_runtime(-1, None)  # type: ignore[union-attr]
     if rt is not None:
         try:
             rt.executor.shutdown()
