@@ -20,6 +20,7 @@ import torch
 import torch_dtorch as dt
 from tests.eager.conftest import init_mesh, thread_only
 from torch_dtorch import Replicate, Shard
+from torch_dtorch.device import fastpath
 from torch_dtorch.device.kernels import operand_of
 from torch_dtorch.device.state import get_runtime
 from torch_dtorch.device.tensors import TABLE
@@ -38,6 +39,39 @@ def test_view_under_inference_mode_is_a_normal_tensor_of_a_normal_base() -> None
             assert not v.is_inference() and y.is_inference()
             assert y.view(24).is_inference()
     torch.testing.assert_close(v.full_tensor(), x.full_tensor().view(24))
+
+
+def test_python_numbers_in_tensor_slots_take_the_fast_path() -> None:
+    """``x + 1.0`` reaches aten as ``add.Tensor`` with a wrapped 0-d CPU tensor: a constant keyed by dtype and
+    value, so repeated calls hit and each value (and type) gets its own template."""
+    mesh = init_mesh((2,))
+    a = torch.randn(4, 6)
+    i = torch.arange(6)
+    x = dt.distribute_tensor(a, mesh, [Shard(0)])
+    xi = dt.distribute_tensor(i, mesh, [Shard(0)])
+    cases = [
+        (lambda t: t + 1.0, lambda: x),
+        (lambda t: t * 2, lambda: x),
+        (lambda t: 3.5 - t, lambda: x),
+        (lambda t: t / 7, lambda: xi),
+        (lambda t: t + 1, lambda: xi),
+        (lambda t: t + True, lambda: xi),
+        (lambda t: t * 2.5, lambda: xi),
+    ]
+    for fn, src in cases:
+        d = src()
+        ref = a if d is x else i
+        fn(d)
+        before = dict(fastpath.stats)
+        for _ in range(2):
+            got = fn(d).full_tensor()
+            want = fn(ref)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want)
+        assert fastpath.stats["miss"] == before["miss"], "a repeated call with a Python number missed"
+    for k in (1.0, 2.0, -0.5, 1, 0.0, -0.0):  # values never share a template (-0.0 is not 0.0 bitwise)
+        torch.testing.assert_close((x + k).full_tensor(), a + k)
+        torch.testing.assert_close((x * k).full_tensor(), a * k)
 
 
 def test_dead_tensors_are_freed_by_the_next_op_or_sync() -> None:
@@ -94,7 +128,8 @@ def test_threads_issuing_ops_at_once_each_get_their_own_results() -> None:
             for _ in range(200):
                 acc = acc + mine
                 acc.view(64)
-            torch.testing.assert_close(acc.full_tensor(), torch.full((8, 8), 200.0 * k))
+            # (threads do not inherit the main thread's default device: compare on the CPU)
+            torch.testing.assert_close(acc.full_tensor().cpu(), torch.full((8, 8), 200.0 * k, device="cpu"))
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 

@@ -150,7 +150,9 @@ Entry* new_entry(PyObject* operand, PyObject* on_free, int64_t generation, int64
 
 // ---- call keys -----------------------------------------------------------------------------------------------
 
-enum Tag : int64_t { kNone = 1, kInt, kDouble, kBool, kIntList, kDoubleList, kBoolList, kString, kDevice, kTensor };
+enum Tag : int64_t {
+  kNone = 1, kInt, kDouble, kBool, kIntList, kDoubleList, kBoolList, kString, kDevice, kTensor, kWrapped
+};
 
 using Key = std::vector<int64_t>;
 
@@ -190,6 +192,35 @@ class PyRef {
  private:
   PyObject* p_ = nullptr;
 };
+
+// A Python number in a tensor slot, keyed by its dtype and value; false for any other tensor.
+bool wrapped_number_key(const at::Tensor& t, Key& key) {
+  if (!t.defined()) {
+    return false;
+  }
+  auto* impl = t.unsafeGetTensorImpl();
+  if (!impl->is_wrapped_number() || impl->device_type() != c10::DeviceType::CPU) {
+    return false;
+  }
+  int64_t bits;
+  switch (t.scalar_type()) {
+    case at::kDouble:
+      bits = double_bits(*static_cast<const double*>(impl->data()));
+      break;
+    case at::kLong:
+      bits = *static_cast<const int64_t*>(impl->data());
+      break;
+    case at::kBool:
+      bits = *static_cast<const bool*>(impl->data());
+      break;
+    default:
+      return false;  // complex numbers: the full path
+  }
+  key.push_back(kWrapped);
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(bits);
+  return true;
+}
 
 struct OutSpec {
   c10::SmallVector<int64_t, 6> sizes;
@@ -251,7 +282,14 @@ class FastKernel : public c10::OperatorKernel {
       if (v.isTensor()) {
         const at::Tensor& t = v.toTensor();
         Entry* e = entry_of(t);
-        if (e == nullptr || e->generation != g_generation || t.sizes() != c10::IntArrayRef(e->sizes)) {
+        if (e == nullptr) {
+          // ``x + 1.0``: Python numbers reach aten as wrapped 0-d CPU tensors (the Python kernel sees the number)
+          if (!wrapped_number_key(t, key)) {
+            return false;
+          }
+          continue;
+        }
+        if (e->generation != g_generation || t.sizes() != c10::IntArrayRef(e->sizes)) {
           return false;
         }
         if (e->layout == kUnknown) {

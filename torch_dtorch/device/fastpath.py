@@ -60,7 +60,7 @@ def layout_of(x: Operand) -> int:
 
 
 class _Template:
-    __slots__ = ("plan", "out_layouts", "mesh", "owner", "skeleton", "tail")
+    __slots__ = ("plan", "out_layouts", "mesh", "owner", "skeleton", "operand_slots", "const_slots", "tail")
 
     def __init__(
         self,
@@ -88,18 +88,26 @@ class _Template:
         # the recorded call's positional arguments: the native kernel's hits only send the tensor inputs (its key
         # holds every constant, so a hit's constants are these)
         self.skeleton = tuple(targs)
-        n = owner.dense
-        self.tail = self.skeleton[n:] if n and len(targs) >= n else None
+        n = len(targs)
+        #: (tensor slot, position) of every slot holding an operand (a Python number in a tensor slot, ``x + 1.0``,
+        #: is a constant: its slot's input is ``None``)
+        self.operand_slots = tuple(
+            (k, p) for k, p in enumerate(owner.slot_pos) if p < n and isinstance(targs[p], Operand)
+        )
+        self.const_slots = tuple(
+            k for k, p in enumerate(owner.slot_pos) if p < n and not isinstance(targs[p], Operand)
+        )
+        d = owner.dense
+        dense = d and n >= d and self.operand_slots == tuple((k, k) for k in range(d))
+        self.tail = self.skeleton[d:] if dense else None
 
     def args_for(self, inputs: list[Operand | None]) -> tuple[Any, ...]:
         """The positional arguments of a call with these tensor inputs (one per tensor slot)."""
         if self.tail is not None:
             return (*inputs[: self.owner.dense], *self.tail)
         args = list(self.skeleton)
-        n = len(args)
-        for p, x in zip(self.owner.slot_pos, inputs, strict=True):
-            if p < n:
-                args[p] = x
+        for k, p in self.operand_slots:
+            args[p] = inputs[k]
         return tuple(args)
 
 
@@ -173,6 +181,10 @@ class FastOp:
             inputs = targs[:n] if i > n else targs
         else:
             inputs = [targs[p] if p < i else None for p in self.slot_pos]
+        if tpl.const_slots:  # Python numbers in tensor slots are constants (their key holds the value)
+            inputs = list(inputs)
+            for k in tpl.const_slots:
+                inputs[k] = None
         outs = rt.executor.record_fast(tpl.plan, tuple(targs), inputs)
         rt.last_mesh = tpl.mesh
         on_free = kernels._free_callback(rt)
@@ -197,7 +209,7 @@ class FastOp:
         if op is not self.op or rule.output_is_input is not None:
             return out
         n = len(targs)
-        expected = [targs[p] if p < n else None for p in self.slot_pos]
+        expected = [targs[p] if p < n and isinstance(targs[p], Operand) else None for p in self.slot_pos]
         if len(expected) != len(call.inputs) or any(
             a is not b for a, b in zip(expected, call.inputs, strict=True)
         ):
