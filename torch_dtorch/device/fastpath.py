@@ -100,6 +100,7 @@ class _Template:
         d = owner.dense
         dense = d and n >= d and self.operand_slots == tuple((k, k) for k in range(d))
         self.tail = self.skeleton[d:] if dense else None
+        self.plan.args_of = self.args_for
 
     def args_for(self, inputs: list[Operand | None]) -> tuple[Any, ...]:
         """The positional arguments of a call with these tensor inputs (one per tensor slot)."""
@@ -282,7 +283,7 @@ def _native_hit(tpl: _Template, inputs: list[Operand | None]) -> list[Operand] |
     if rt is None:
         return None
     stats["hit"] += 1
-    outs = rt.executor.record_fast(tpl.plan, tpl.args_for(inputs), inputs)
+    outs = rt.executor.record_fast(tpl.plan, None, inputs)  # args are built where the run is expanded
     rt.last_mesh = tpl.mesh
     return outs
 

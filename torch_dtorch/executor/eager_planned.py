@@ -68,17 +68,21 @@ class PlannedRecording:
                 self._owned.setdefault(owner.id, []).append(y.id)
 
     def record_fast(
-        self, plan: FastPlan, args: tuple[Any, ...], inputs: list[Operand | None]
+        self, plan: FastPlan, args: tuple[Any, ...] | None, inputs: list[Operand | None]
     ) -> list[Operand]:
         """Record one call of a cached plan (the eager fast path's hit): new output operands and one compact
         :class:`FastRun` instruction, expanded where it runs. Returns the outputs. This is the controller's
-        per-op cost, so the common case is written out inline."""
+        per-op cost, so the common case is written out inline. ``args`` ``None``: ``plan.args_of(inputs)``, built
+        only where the run is expanded."""
         with self._lock:
             if self._closed:
                 self._check_open()
             c = self.constructor
             g = c.graph
             if not plan.compact or g.record or len(c.listeners) != 1:
+                if args is None:
+                    assert plan.args_of is not None
+                    args = plan.args_of(inputs)
                 return self.call_planned(
                     plan.rule, plan.call(args, inputs), plan.out_specs, plan.assign, plan.cost, plan.moves
                 )

@@ -13,7 +13,7 @@ the op (a view of a moved input would keep them alive, so such plans are not com
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_dtorch.executor.constructor import REDISTRIBUTE, BoundOp, RedistributeSpec, non_tensor_args
@@ -82,6 +82,7 @@ class FastPlan:
         "compact",
         "nmoves",
         "out0",
+        "args_of",
     )
 
     def __init__(
@@ -111,6 +112,9 @@ class FastPlan:
         self.nmoves = len(self.moves)
         #: the only output's spec (single-output ops, the common case, skip the list building)
         self.out0 = self.outs[0] if len(self.outs) == 1 else None
+        #: ``inputs -> positional args`` for runs recorded without their args (the native fast path's hits: the
+        #: cache key fixes every constant, so only the tensor inputs vary); set by the fast path's template
+        self.args_of: Callable[[list[Operand | None]], tuple[Any, ...]] | None = None
         self.view_of = rule.view_of
         self.view = ViewInfo(call.op, non_tensor_args(call)) if rule.view_of is not None else None
         #: recorded as one FastRun per call; otherwise through GraphConstructor.call_planned
@@ -144,6 +148,9 @@ class FastPlan:
         call_site = run.call_site
         inputs = run.inputs
         args = run.args
+        if args is None:
+            assert self.args_of is not None
+            args = self.args_of(inputs)
         out: list[Instruction] = []
         oid, opid = run.first_id, run.first_op
         if self.moves:

@@ -93,7 +93,7 @@ class FastRun:
     def __init__(
         self,
         plan: Any,
-        args: tuple[Any, ...],
+        args: tuple[Any, ...] | None,
         inputs: list[Operand | None],
         outputs: list[Operand],
         first_id: int,
