@@ -5,14 +5,17 @@ end-to-end throughput (issue + workers finishing) is reported separately. Prints
 dtorch issue time / DTensor time (target <= 0.5). The header says which fast path ran (``DTORCH_NATIVE=0``: the
 Python one).
 
-    .venv/bin/python bench/eager_overhead.py [--iters 3000]
+    .venv/bin/python bench/eager_overhead.py [--iters 400] [--no-process]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
+import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -26,16 +29,23 @@ import torch_dtorch as dt
 from torch_dtorch.device.state import get_runtime
 
 
-def per_op_us(fn: Callable[[], object], iters: int, rounds: int = 15) -> float:
-    """Best of ``rounds`` timed loops (robust to other load on the machine)."""
+def per_op_us(fn: Callable[[], object], iters: int, rounds: int = 40) -> float:
+    """Best of ``rounds`` timed loops, with the cyclic garbage collector off while timing, as ``timeit`` does (its
+    passes over every live object landed on random rounds). The development VMs have slow spells of ~50–100 ms
+    (every op 1.5–2 × slower, DTensor's included), so the rounds are many and short."""
     for _ in range(min(200, iters)):
         fn()
     best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    finally:
+        gc.enable()
     return best
 
 
@@ -43,12 +53,8 @@ def ops(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
     return {"add 16x16": lambda: a + b, "mm 16x16": lambda: a @ b, "view": lambda: a.view(256)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--iters", type=int, default=1000)
-    p.add_argument("--no-process", action="store_true", help="skip the process-mode row")
-    args = p.parse_args()
-    torch.set_num_threads(1)
+def measure(args: argparse.Namespace, port: int) -> dict[str, dict[str, float]]:
+    """One pass over every cell of the table."""
     a, b = torch.randn(16, 16), torch.randn(16, 16)
     rows: dict[str, dict[str, float]] = {}
 
@@ -56,7 +62,7 @@ def main() -> None:
         rows.setdefault(name, {})["torch"] = per_op_us(fn, args.iters)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=0, world_size=1)
     umesh = UpstreamMesh("cpu", [0])
     ua, ub = upstream_distribute(a, umesh, [Replicate()]), upstream_distribute(b, umesh, [Replicate()])
@@ -72,10 +78,12 @@ def main() -> None:
         for name, fn in ops(da, db).items():
             # controller alone: batches are dropped instead of sent while timing (no worker thread competes for the
             # GIL, and nothing piles up); the dropped results are never read
-            submit = ex.runner.submit
-            ex.runner.submit = lambda batch: None
+            # (and the idle-flush timer stays parked: its wake-ups would take the GIL mid-loop)
+            submit, wake = ex.runner.submit, ex._wake
+            ex.runner.submit, ex._wake = (lambda batch: None), threading.Event()
             rows[name][f"dtorch issue {n}-dev, controller only"] = per_op_us(fn, args.iters)
-            ex.runner.submit = submit
+            ex.runner.submit, ex._wake = submit, wake
+            wake.set()
             dt.sync()
             rows[name][f"dtorch issue {n}-dev"] = per_op_us(fn, args.iters)
             dt.sync()  # the issue loops above leave thousands of ops queued: e2e starts from idle workers
@@ -95,12 +103,28 @@ def main() -> None:
             dt.sync()
         dt.shutdown()
 
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=400)
+    p.add_argument("--repeat", type=int, default=3, help="passes over the table; each cell is their median")
+    p.add_argument("--no-process", action="store_true", help="skip the process-mode row")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    passes = [measure(args, 29533 + i) for i in range(args.repeat)]
+    rows = {
+        name: {col: statistics.median(r[name][col] for r in passes) for col in cells}
+        for name, cells in passes[0].items()
+    }
+
     cols = list(next(iter(rows.values())).keys())
     from torch_dtorch.device.tensors import TABLE
 
     print(
         f"# eager per-op overhead, µs/op ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"fast path: {'native' if TABLE.native else 'python'})"
+        f"fast path: {'native' if TABLE.native else 'python'}; median of {args.repeat} passes)"
     )
     ratios = [
         ("controller 1-dev ÷ DTensor", "dtorch issue 1-dev, controller only"),
