@@ -193,6 +193,15 @@ class PyRef {
   PyObject* p_ = nullptr;
 };
 
+template <typename List, typename Conv>
+void push_list(Key& key, Tag tag, const List& list, Conv conv) {
+  key.push_back(tag);
+  key.push_back(static_cast<int64_t>(list.size()));
+  for (auto x : list) {
+    key.push_back(conv(x));
+  }
+}
+
 // A Python number in a tensor slot, keyed by its dtype and value; false for any other tensor.
 bool wrapped_number_key(const at::Tensor& t, Key& key) {
   if (!t.defined()) {
@@ -325,26 +334,11 @@ class FastKernel : public c10::OperatorKernel {
         key.push_back(kBool);
         key.push_back(v.toBool());
       } else if (v.isIntList()) {
-        auto l = v.toIntList();
-        key.push_back(kIntList);
-        key.push_back(static_cast<int64_t>(l.size()));
-        for (int64_t x : l) {
-          key.push_back(x);
-        }
+        push_list(key, kIntList, v.toIntList(), [](int64_t x) { return x; });
       } else if (v.isDoubleList()) {
-        auto l = v.toDoubleList();
-        key.push_back(kDoubleList);
-        key.push_back(static_cast<int64_t>(l.size()));
-        for (double x : l) {
-          key.push_back(double_bits(x));
-        }
+        push_list(key, kDoubleList, v.toDoubleList(), [](double x) { return double_bits(x); });
       } else if (v.isBoolList()) {
-        auto l = v.toBoolList();
-        key.push_back(kBoolList);
-        key.push_back(static_cast<int64_t>(l.size()));
-        for (bool x : l) {
-          key.push_back(x);
-        }
+        push_list(key, kBoolList, v.toBoolList(), [](bool x) { return static_cast<int64_t>(x); });
       } else if (v.isList()) {
         // SymInt[] (view sizes, ...) arrives as a generic list of ints
         auto l = v.toListRef();
@@ -531,17 +525,7 @@ bool bind(py::handle t, py::object operand, py::object on_free, int64_t generati
   return true;
 }
 
-// the serial of each tensor's binding (-1: not ours); a rebinding or a new storage changes it
-std::vector<int64_t> serials(const py::sequence& tensors) {
-  std::vector<int64_t> out;
-  out.reserve(py::len(tensors));
-  for (py::handle t : tensors) {
-    Entry* e = THPVariable_Check(t.ptr()) ? entry_of(THPVariable_Unpack(t.ptr())) : nullptr;
-    out.push_back(e != nullptr ? e->serial : -1);
-  }
-  return out;
-}
-
+// whether each tensor is still bound as when its serial was taken: a rebinding or a new storage changes it
 bool same_serials(const py::sequence& tensors, const std::vector<int64_t>& expected) {
   py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(tensors.ptr(), "expected a sequence"));
   if (!fast) {
@@ -642,7 +626,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lookup", &lookup);
   m.def("set_layout", &set_layout);
   m.def("bind", &bind);
-  m.def("serials", &serials);
   m.def("same_serials", &same_serials);
   m.def("drain", [] { return drain_locked(); });
   m.def("live", [] { return g_live.load(); });

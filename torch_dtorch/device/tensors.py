@@ -52,6 +52,28 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
     layout: int | None
 
 
+def _checked(t: torch.Tensor, generation: int, found: tuple[Operand, int, tuple[int, ...]] | None) -> Operand:
+    """The operand of ``found`` (operand, generation, shape of ``t``'s table entry), or the typed error that says why
+    ``t`` cannot be used."""
+    if found is None:
+        raise StaleTensorError(
+            f"this dtorch tensor (shape {tuple(t.shape)}) is not known to the running workers; it was made "
+            "by a worker pool that has been shut down or restarted — recreate it"
+        )
+    operand, gen, shape = found
+    if gen != generation:
+        raise StaleTensorError(
+            f"this dtorch tensor (shape {tuple(t.shape)}) belongs to a worker pool that was restarted "
+            "(init_device_mesh with other settings, or shutdown); recreate it on the new mesh"
+        )
+    if tuple(t.shape) != shape:
+        raise DTorchError(
+            f"a dtorch tensor of shape {tuple(t.shape)} shares storage with one of shape {shape}: it was "
+            "made by an aliasing op dtorch did not see (as_strided / set_ / resize_), which is not supported"
+        )
+    return operand
+
+
 class TensorTable:
     """Maps storages of live dtorch tensors to operands; calls ``on_free(operand)`` when a storage dies.
 
@@ -146,23 +168,8 @@ class TensorTable:
         return 0
 
     def lookup(self, t: torch.Tensor, generation: int) -> Operand:
-        entry = self._entries.get(id(t.untyped_storage()))
-        if entry is None:
-            raise StaleTensorError(
-                f"this dtorch tensor (shape {tuple(t.shape)}) is not known to the running workers; it was made "
-                "by a worker pool that has been shut down or restarted — recreate it"
-            )
-        if entry.generation != generation:
-            raise StaleTensorError(
-                f"this dtorch tensor (shape {tuple(t.shape)}) belongs to a worker pool that was restarted "
-                "(init_device_mesh with other settings, or shutdown); recreate it on the new mesh"
-            )
-        if tuple(t.shape) != entry.shape:
-            raise DTorchError(
-                f"a dtorch tensor of shape {tuple(t.shape)} shares storage with one of shape {entry.shape}: it was "
-                "made by an aliasing op dtorch did not see (as_strided / set_ / resize_), which is not supported"
-            )
-        return entry.operand
+        e = self._entries.get(id(t.untyped_storage()))
+        return _checked(t, generation, None if e is None else (e.operand, e.generation, e.shape))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -242,23 +249,7 @@ class NativeTable:
 
     def lookup(self, t: torch.Tensor, generation: int) -> Operand:
         r = self._lookup(t)
-        if r is None:
-            raise StaleTensorError(
-                f"this dtorch tensor (shape {tuple(t.shape)}) is not known to the running workers; it was made "
-                "by a worker pool that has been shut down or restarted — recreate it"
-            )
-        operand, gen, shape, _, _ = r
-        if gen != generation:
-            raise StaleTensorError(
-                f"this dtorch tensor (shape {tuple(t.shape)}) belongs to a worker pool that was restarted "
-                "(init_device_mesh with other settings, or shutdown); recreate it on the new mesh"
-            )
-        if tuple(t.shape) != shape:
-            raise DTorchError(
-                f"a dtorch tensor of shape {tuple(t.shape)} shares storage with one of shape {shape}: it was "
-                "made by an aliasing op dtorch did not see (as_strided / set_ / resize_), which is not supported"
-            )
-        return operand
+        return _checked(t, generation, None if r is None else r[:3])
 
     def drain(self) -> int:
         return int(self._m.drain())
