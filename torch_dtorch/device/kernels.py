@@ -34,8 +34,7 @@ def _free_callback(rt: Runtime):  # noqa: ANN202 - closure factory, one per runt
     if cb is None:
         _FREE_CALLBACKS.clear()
         cb = _FREE_CALLBACKS[rt.generation] = _make_free_callback(rt)
-        if TABLE.native:
-            TABLE._m.set_runtime(rt.generation, cb)  # type: ignore[union-attr]
+        TABLE.set_runtime(rt.generation, cb)
     return cb
 
 

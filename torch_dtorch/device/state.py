@@ -165,8 +165,7 @@ def shutdown() -> None:
         rt, _RUNTIME = _RUNTIME, None
     from torch_dtorch.device.tensors import TABLE
 
-    if TABLE.native:
-        TABLE._m.set_runtime(-1, None)  # type: ignore[union-attr]
+    TABLE.set_runtime(-1, None)
     if rt is not None:
         try:
             rt.executor.shutdown()

@@ -167,6 +167,10 @@ class TensorTable:
         """Free what died (the native table queues frees; here weak-reference callbacks ran already)."""
         return 0
 
+    def set_runtime(self, generation: int, on_free: Callable[[Operand], None] | None) -> None:
+        """The running pool's generation and free callback (``None``: none runs); the native table's hits need
+        them, this table does not."""
+
     def lookup(self, t: torch.Tensor, generation: int) -> Operand:
         e = self._entries.get(id(t.untyped_storage()))
         return _checked(t, generation, None if e is None else (e.operand, e.generation, e.shape))
@@ -253,6 +257,10 @@ class NativeTable:
 
     def drain(self) -> int:
         return int(self._m.drain())
+
+    def set_runtime(self, generation: int, on_free: Callable[[Operand], None] | None) -> None:
+        """Cached native templates go; tensors of another generation stop hitting."""
+        self._m.set_runtime(generation if on_free is not None else -1, on_free)
 
     def __len__(self) -> int:
         self._m.drain()
