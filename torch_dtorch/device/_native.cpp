@@ -396,6 +396,11 @@ class FastKernel : public c10::OperatorKernel {
       normal = a0.isTensor() && !a0.toTensor().is_inference();
     }
     const size_t m = tpl.outs.size();
+    if (!PyList_Check(outs.ptr()) || static_cast<size_t>(PyList_GET_SIZE(outs.ptr())) != m) {
+      throw std::runtime_error("dtorch native fast path: the recorder returned " +
+                               std::string(py::str(py::repr(outs))) + ", expected a list of " +
+                               std::to_string(m) + " output operands (internal error, please report)");
+    }
     std::vector<at::Tensor> made;
     made.reserve(m);
     for (size_t k = 0; k < m; ++k) {
