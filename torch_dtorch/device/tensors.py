@@ -227,9 +227,7 @@ class NativeTable:
     def wrap_view(
         self, operand: Operand, generation: int, on_free: Callable[[Operand], None], layout: int | None = None
     ) -> torch.Tensor:
-        return self._wrap(
-            operand, on_free, generation, -1 if layout is None else layout, operand.shape, operand.dtype, True
-        )
+        return self.wrap(operand, generation, on_free, layout, view=True)
 
     def bind(
         self, t: torch.Tensor, operand: Operand, generation: int, on_free: Callable[[Operand], None]
