@@ -16,6 +16,9 @@ from importlib import metadata
 
 _LOG_LEVEL_ENV = "DTORCH_LOG_LEVEL"
 
+#: modules of the applications' sub-commands, each with ``add_parser(sub)``
+_APP_CLI_MODULES: tuple[str, ...] = ()
+
 
 def _dist_version(dist: str) -> str:
     try:
@@ -99,6 +102,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from torch_dtorch.tools.commands import add_parsers as _add_tool_parsers
 
     _add_tool_parsers(sub)
+
+    # the applications' sub-commands (``dtorch diffuse``, ``dtorch llama``): each app's ``cli.py`` has
+    # ``add_parser(sub) -> None`` and imports its heavy dependencies inside the command
+    for name in _APP_CLI_MODULES:
+        importlib.import_module(name).add_parser(sub)
 
     p_version = sub.add_parser("version", help="print torch-dtorch, torch and python versions")
     p_version.set_defaults(func=_cmd_version)
