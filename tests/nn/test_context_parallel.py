@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_dtorch as dt
+from tests.eager.conftest import thread_only
 from tests.nn.conftest import init_mesh
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.placement_rules import context_parallel as cpm
@@ -111,3 +112,71 @@ def test_no_cp_axis_keeps_allgather_and_simulator_refuses() -> None:
     )
     with pytest.raises(cpm.ContextParallelError, match="no communicator"):
         cpm.run_context_parallel(call, ctx, {"query": torch.zeros(1, 2, 3, 4), "key": None, "value": None})
+
+
+def _local_inputs(
+    names: tuple[str, ...] | None, sizes: tuple[int, ...], batch: int
+) -> tuple[dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]], torch.Tensor, torch.Tensor]:
+    """Run a sequence-sharded SDPA; return, per device, the (q shape, k shape) of every local attention
+    computation the workers ran, the result and the torch reference."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, 4, 16, 8) for _ in range(3))
+    mesh = init_mesh(sizes, mesh_dim_names=names)
+    qd, kd, vd = (dt.distribute_tensor(t, mesh, [Shard(2)] * len(sizes)) for t in (q, k, v))
+    seen: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+
+    def hook(device: int, lq: torch.Tensor, lk: torch.Tensor, lv: torch.Tensor) -> None:
+        seen.setdefault(device, []).append((tuple(lq.shape), tuple(lk.shape)))
+
+    cpm.local_attention_hooks.append(hook)
+    try:
+        got = F.scaled_dot_product_attention(qd, kd, vd).full_tensor()
+    finally:
+        cpm.local_attention_hooks.remove(hook)
+    return seen, got, F.scaled_dot_product_attention(q, k, v)
+
+
+@thread_only
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(
+    ("names", "sizes"), [(("ulysses",), (2,)), (None, (2,)), (None, (4,)), (("ulysses",), (4,))], ids=str
+)
+def test_ulysses_splits_heads_whatever_the_batch(
+    names: tuple[str, ...] | None, sizes: tuple[int, ...], batch: int
+) -> None:
+    """Sequence-sharded q/k/v: every device attends over the whole sequence with 1/n of the heads (a Ulysses
+    axis, or an unnamed mesh where the batch dim is too small to split) — never the batch dim of size 1."""
+    seen, got, want = _local_inputs(names, sizes, batch)
+    n = sizes[0]
+    assert sorted(seen) == list(range(n)), seen
+    for shapes in seen.values():
+        for q_shape, k_shape in shapes:
+            if (
+                names is None and batch % n == 0
+            ):  # the batch splits evenly: batch-sharded attention is fine too
+                assert q_shape in ((batch // n, 4, 16, 8), (batch, 4 // n, 16, 8)), q_shape
+            else:
+                assert q_shape == (batch, 4 // n, 16, 8) and k_shape == (batch, 4 // n, 16, 8), shapes
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@thread_only
+@pytest.mark.parametrize("batch", [1, 2])
+def test_ring_keeps_the_sequence_sharded(batch: int) -> None:
+    """Ring CP: every device's query blocks hold 1/n of the sequence and all heads; key blocks travel."""
+    seen, got, want = _local_inputs(("ring",), (2,), batch)
+    assert sorted(seen) == [0, 1], seen
+    for shapes in seen.values():
+        assert len(shapes) == 2  # one block per ring step
+        assert all(q == (batch, 4, 8, 8) and k == (batch, 4, 8, 8) for q, k in shapes), shapes
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_profile_spreads_attention_over_devices() -> None:
+    """``dt.profile()``: the attention kernel runs on every device of a Ulysses mesh at batch 1."""
+    mesh = init_mesh((2,), mesh_dim_names=("ulysses",))
+    qd = dt.distribute_tensor(torch.randn(1, 4, 16, 8), mesh, [Shard(2)])
+    with dt.profile() as prof:
+        F.scaled_dot_product_attention(qd, qd, qd).full_tensor()
+    devices = {s.device for s in prof.spans if "scaled_dot_product_attention" in s.name}
+    assert devices == {0, 1}, [(s.device, s.name) for s in prof.spans]

@@ -34,6 +34,8 @@ from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.context_parallel import (
     cp_axes,
     cp_signatures,
+    local_attention_hooks,
+    observe_local_attention,
     register_comm_kernel,
     run_context_parallel,
 )
@@ -113,6 +115,8 @@ def _kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict
     bound = dict(zip(names, args)) | kwargs
     if cp_axes(call):
         return run_context_parallel(call, ctx, bound)
+    if local_attention_hooks:
+        observe_local_attention(ctx.device, bound["query"], bound["key"], bound["value"])
     if math.prod(ctx.out_shapes[0]) == 0:  # an empty shard: torch's math path broadcasts 1 against 0 to 1
         return bound["query"].new_empty(ctx.out_shapes[0], dtype=call.out_meta[0].dtype)
     l_global = call.out_meta[0].shape[-2]

@@ -23,8 +23,10 @@ is replicated on the CP axes and sliced per block by global row / column positio
 Positions are global, so rotary embeddings (computed by the model from ``arange(L)``, replicated, and sliced to the
 query shard by the elementwise rules) follow the sharding without model changes.
 
-Kernels: a float32 math kernel with log-sum-exp (CPU and fallback); on CUDA the memory-efficient SDPA kernel for
-unmasked blocks when it is available. Communication goes through the worker's communicator
+Kernels: a Ulysses-only call (no ring axis) runs torch's own ``scaled_dot_product_attention`` on its ``H/n``
+heads of the whole sequence (the fused flash / memory-efficient kernels on CUDA); ring blocks use a float32 math
+kernel with log-sum-exp (CPU and fallback), on CUDA the memory-efficient SDPA kernel for unmasked blocks when it is
+available. ``local_attention_hooks`` observe the local tensors every attention computation runs on. Communication goes through the worker's communicator
 (``LocalContext.comm``, given by the runtime; the simulator's ``run_local`` gives a thread per rank one); a lone
 ``run_rank`` has none and raises :class:`ContextParallelError`.
 """
@@ -52,6 +54,8 @@ __all__ = [
     "device_comm",
     "exchange",
     "kernel_needs_comm",
+    "local_attention_hooks",
+    "observe_local_attention",
     "register_comm_kernel",
     "run_context_parallel",
 ]
@@ -345,6 +349,17 @@ def _runs(pos: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in zip(starts, ends, strict=True)]
 
 
+#: observers of every local attention computation on a worker: ``hook(device, q, k, v)`` with the local tensors
+#: the attention kernel is about to run on (tests check that the work is divided: 1/n of the heads for Ulysses,
+#: 1/n of the sequence for ring). Empty in normal runs (one list check per call).
+local_attention_hooks: list[Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]] = []
+
+
+def observe_local_attention(device: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for hook in local_attention_hooks:
+        hook(device, q, k, v)
+
+
 #: score elements (query rows x key columns) computed per device by the CP kernels (a debugging counter: tests
 #: use it to check the causal load balance)
 BLOCK_STATS: dict[int, int] = {}
@@ -394,7 +409,10 @@ def _ring(
                 if cm is False:
                     continue
                 m = _and(cm, _mask_block(mask, mask_row_off, qpr, kpr))
-                accs[i] = _merge(accs[i], _block(q.narrow(-2, qs, ql), kb, vb, scale, m))
+                qb = q.narrow(-2, qs, ql)
+                if local_attention_hooks:
+                    observe_local_attention(devices[me], qb, kb, vb)
+                accs[i] = _merge(accs[i], _block(qb, kb, vb, scale, m))
                 computed += ql * kl
         if step < n - 1:
             cur_k, cur_v = comm.recv(prv, CP_TAG), comm.recv(prv, CP_TAG)
@@ -464,6 +482,17 @@ def run_context_parallel(call: OpCall, ctx: LocalContext, bound: dict[str, Any])
             mask = mask.narrow(-3, chunks[me][1], chunks[me][0])
         undo.append((devices, me, rows))
         qpos_fn, kpos_fn = _gathered(qpos_fn, a, n), _gathered(kpos_fn, a, n)
+    if not ring:
+        whole = _whole_sequence(qpos_fn(coord), qop.shape[-2]) and _whole_sequence(
+            kpos_fn(coord), kop.shape[-2]
+        )
+        if whole and mask_row_off == 0:  # every row of H/n heads here: torch's own (fused) attention kernel
+            if local_attention_hooks:
+                observe_local_attention(int(ids[coord]), q, k, v)
+            out = torch.ops.aten.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=bound.get("scale")
+            )
+            return _ulysses_back(out, comm, undo)
     group = [coord]
     for a in ring:
         group = [_with(c, a, i) for c in group for i in range(ms[a])]
@@ -484,7 +513,19 @@ def run_context_parallel(call: OpCall, ctx: LocalContext, bound: dict[str, Any])
     )  # fmt: skip
     if balance:
         out = _relayout(out, out.ndim - 2, comm, devices, me, qz, qpos)
-    for devices_u, me_u, rows in reversed(undo):  # head-sharded -> sequence-sharded
+    return _ulysses_back(out, comm, undo)
+
+
+def _whole_sequence(pos: torch.Tensor, length: int) -> bool:
+    """Whether ``pos`` is every position ``0 .. length-1`` in order (the rows a lone Ulysses group gathers)."""
+    if pos.numel() != length:
+        return False
+    return length == 0 or bool(torch.equal(pos, torch.arange(length, device=pos.device)))
+
+
+def _ulysses_back(out: torch.Tensor, comm: Any, undo: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+    """Head-sharded -> sequence-sharded: the Ulysses exchanges of ``run_context_parallel`` undone in reverse."""
+    for devices_u, me_u, rows in reversed(undo):
         got = exchange(comm, devices_u, me_u, list(out.split(rows, dim=-2)))
         out = torch.cat(got, dim=-3)
     return out

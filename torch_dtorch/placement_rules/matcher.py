@@ -3,7 +3,9 @@
 On every mesh axis independently: a signature whose inputs equal the current placements wins at once (first in the
 rule's order). Otherwise, when the redistribute policy allows, the signature that is cheapest to reach is chosen
 (DTensor-style cost ordering): Replicate->Shard is a local slice and costs nothing, which is what aligns a
-replicated operand with a sharded peer in a broadcasting binary op. Under ``DTORCH_REDISTRIBUTE=never`` (or when no
+replicated operand with a sharded peer in a broadcasting binary op. Among equally cheap signatures the one that
+shards no dim smaller than the axis wins (an all-to-all of a sequence shard goes to the heads, not to a batch dim of
+size 1 where one rank would hold all the work). Under ``DTORCH_REDISTRIBUTE=never`` (or when no
 signature is reachable) a :class:`PlacementMismatchError` lists every argument and the legal signatures.
 """
 
@@ -75,7 +77,7 @@ def match(
     chosen: list[PlacementSignature] = []
     for axis, size in enumerate(mesh_shape):
         current = [p[axis] if p is not None else None for p in call.placements]
-        best: tuple[float, int, int, int] | None = None
+        best: tuple[float, int, int, int, int] | None = None
         best_sig: PlacementSignature | None = None
         wanted = tuple(p[axis] for p in prefer_outputs) if prefer_outputs is not None else None
         for order, s in enumerate(signatures):
@@ -105,10 +107,12 @@ def match(
                     break
                 total += c
                 moves += 1
-            # ties: fewer moves, then fewer Partial outputs (a gathered input should not come out Partial)
+            # ties: fewer shards with empty ranks (a dim smaller than the axis: one rank would hold the work),
+            # fewer moves, then fewer Partial outputs (a gathered input should not come out Partial)
+            starved = _starved(call, s, size)
             partial_out = sum(1 for p in s.outputs if is_partial(p))
-            if ok and (best is None or (total, moves, partial_out, order) < best):
-                best, best_sig = (total, moves, partial_out, order), s
+            if ok and (best is None or (total, starved, moves, partial_out, order) < best):
+                best, best_sig = (total, starved, moves, partial_out, order), s
         if best_sig is None:
             if wanted is not None:
                 raise _unreachable_output(call, signatures, axis, wanted)
@@ -122,6 +126,20 @@ def match(
             in_targets.append(tuple(s.inputs[i] for s in chosen))
     outs = tuple(tuple(s.outputs[k] for s in chosen) for k in range(num_outputs))
     return Match(tuple(chosen), tuple(in_targets), outs)
+
+
+def _starved(call: OpCall, s: PlacementSignature, size: int) -> int:
+    """How many of ``s``'s sharded inputs and outputs split a dim smaller than the axis ``size`` (some ranks
+    would get an empty shard: e.g. the batch dim of size 1 while the heads divide)."""
+    shapes = [x.shape if x is not None else None for x in call.inputs] + [m.shape for m in call.out_meta]
+    return sum(
+        1
+        for shape, p in zip(shapes, (*s.inputs, *s.outputs), strict=True)
+        if shape is not None
+        and type(p) is Shard
+        and -len(shape) <= p.dim < len(shape)
+        and shape[p.dim] < size
+    )
 
 
 def _mismatch(
