@@ -82,3 +82,8 @@ class AsStridedError(DTorchError, RuntimeError):
 class RestrideError(DTorchError, NotImplementedError):
     """An in-place op that changes a dtorch tensor's shape or strides (``t_``, ``transpose_``, ``squeeze_``, ...):
     the controller tensor has no storage to restride."""
+
+
+class PipelineParallelError(DTorchError, ValueError):
+    """An application's pipeline cannot be parallelized as asked (an unsupported pipeline class, a mesh axis name it
+    cannot use, a parallel degree that does not divide the sequence or the attention heads)."""
