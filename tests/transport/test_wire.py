@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import re
 import secrets
+import time
 
 import pytest
 import torch
@@ -134,3 +136,68 @@ def test_unencodable_and_bad_secret() -> None:
     with pytest.raises(InvalidSecretError):
         encode(1, kind=MessageKind.BATCH, seq=1, sender="c", secret="x" * 40)  # type: ignore[arg-type]
     assert issubclass(InvalidSecretError, TransportError)
+
+
+# --- hostile but correctly signed payloads (issue 18 g): a clear ProtocolError naming the sender ---------------
+
+
+def _signed_payload(payload: bytes, *, sender: str = "w3") -> list[bytes]:
+    from torch_dtorch.executor.transport.wire import sign
+
+    head = encode({}, kind=MessageKind.VALUE, seq=5, sender=sender, secret=SECRET)[0]
+    head = bytes(head[: len(head) - 32])
+    return [head + sign(head, [payload], secret=SECRET), payload]
+
+
+@pytest.mark.parametrize("depth", [70, 5000, 200_000])
+def test_deeply_nested_payload_is_a_protocol_error(depth: int) -> None:
+    for opener, closer in ((b"[", b"]"), (b'{"t":[', b"]}")):
+        with pytest.raises(ProtocolError, match=r"VALUE seq 5 from 'w3'.*nests deeper than 64"):
+            decode(_signed_payload(opener * depth + closer * depth), secret=SECRET)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_standard_json_literals_are_refused(literal: bytes) -> None:
+    with pytest.raises(
+        ProtocolError, match=f"from 'w3'.*non-standard JSON literal {re.escape(literal.decode())}"
+    ):
+        decode(_signed_payload(b"[1, " + literal + b"]"), secret=SECRET)
+    # the encoder never writes them: non-finite floats travel tagged and come back
+    out = decode(
+        encode([float("nan"), float("-inf")], kind=MessageKind.VALUE, seq=1, sender="c", secret=SECRET),
+        secret=SECRET,
+    )
+    assert out.body[0] != out.body[0] and out.body[1] == float("-inf")
+
+
+def test_oversized_payload_is_refused_before_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch_dtorch.executor.transport.wire as wire
+
+    monkeypatch.setattr(wire, "MAX_PAYLOAD_BYTES", 4096)
+    frames = _signed_payload(b"[" + b"1," * 4000 + b"1]")
+    with pytest.raises(ProtocolError, match="over the limit of 4096"):
+        decode(frames, secret=SECRET)
+    monkeypatch.setenv("DTORCH_WIRE_MAX_PAYLOAD_BYTES", "12")
+    with pytest.raises(ValueError, match="must be >= 1024"):
+        wire._env_max_payload()
+
+
+def test_receiver_reject_names_the_peer() -> None:
+    from torch_dtorch.executor.transport import Puller
+
+    got: list[TransportError] = []
+    import zmq
+
+    with Puller(secret=SECRET, on_reject=got.append) as pull:
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(pull.endpoint)
+        try:
+            push.send_multipart(_signed_payload(b"[NaN]", sender="w7"))
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                assert pull.recv(0.05) is None
+        finally:
+            push.close()
+    assert len(got) == 1 and isinstance(got[0], ProtocolError)
+    assert "from 'w7'" in str(got[0]) and "peer: sender 'w7' (unverified)" in str(got[0]), got

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -64,6 +63,8 @@ from torch_dtorch.executor.cluster_store import (
 from torch_dtorch.executor.heartbeat import HeartbeatError, WorkerHangError, WorkerLostError
 from torch_dtorch.executor.messages import Instruction
 from torch_dtorch.executor.transport import MessageKind, TransportError
+from torch_dtorch.executor.transport.rejects import RejectLog
+from torch_dtorch.executor.transport.tempdirs import private_dir
 
 __all__ = ["ClusterRunner"]
 
@@ -123,10 +124,11 @@ class ClusterRunner(ClusterStartup):
         self._acks = threading.Condition()
         self._closed = False
         self.failure: BaseException | None = None
-        #: messages dropped by a worker or by this controller (unsigned, tampered, replayed), as text
-        self.rejected: list[str] = []
+        #: messages dropped by a worker or by this controller (unsigned, tampered, replayed): a count, the latest
+        #: texts and a rate-limited log line (a flood costs neither memory nor log volume)
+        self.rejected = RejectLog(log, "ClusterRunner")
         self._batches = 0
-        self._tmpdir = tempfile.mkdtemp(prefix="dtorch-cluster-")  # 0700: private to this user
+        self._tmpdir = private_dir("cluster")  # 0700: private to this user; named after this pid
         self._threads: list[threading.Thread] = []
         self._abort: threading.Thread | None = None
         self._monitor = None
@@ -276,7 +278,11 @@ class ClusterRunner(ClusterStartup):
                     self._acks.notify_all()
         elif msg.kind == MessageKind.ERROR:
             if "rejected" in body:
-                self._on_reject(TransportError(f"worker {m.worker_id} dropped a message: {body['rejected']}"))
+                n = body.get("count", 1)
+                self._on_reject(
+                    TransportError(f"worker {m.worker_id} dropped a message: {body['rejected']}"),
+                    count=n if type(n) is int and 0 < n < 1 << 62 else 1,
+                )
             else:
                 err = WorkerFailedError(
                     f"worker {m.worker_id} on host {m.host!r} failed and left the cluster: {body.get('fatal', body)}"
@@ -340,9 +346,8 @@ class ClusterRunner(ClusterStartup):
             time.sleep(0.05)
 
     # --- failure ------------------------------------------------------------------------------------------------
-    def _on_reject(self, err: TransportError) -> None:
-        log.warning("ClusterRunner: %s", err)
-        self.rejected.append(str(err))
+    def _on_reject(self, err: TransportError, *, count: int = 1) -> None:
+        self.rejected.add(str(err), kind=type(err).__name__, count=count)
 
     def _on_failure(self, err: BaseException) -> None:
         with self._fail_lock:  # not self._lock: a sender holding it must not delay the failure

@@ -30,6 +30,7 @@ from torch_dtorch.executor.cluster_joins import JoinDesk, Member, spawn_worker
 from torch_dtorch.executor.cluster_protocol import ClusterConfig, WorkerStartError
 from torch_dtorch.executor.heartbeat import HeartbeatMonitor
 from torch_dtorch.executor.transport import HandshakeTimeoutError, Publisher, Puller, TransportError
+from torch_dtorch.executor.transport.tempdirs import cleanup_stale_dirs
 
 __all__ = ["ClusterStartup", "member_welcome"]
 
@@ -97,6 +98,9 @@ class ClusterStartup:
         remote = cfg.remote
         tcp = remote or cfg.transport == "tcp" or (cfg.listen or "").startswith("tcp://")
         t0 = time.monotonic()
+        removed = cleanup_stale_dirs()  # socket directories of controllers that died without shutting down
+        if removed:
+            log.info("ClusterRunner: removed %d socket directories of dead controllers", len(removed))
         # heartbeat, rendezvous store, sockets
         self._monitor = HeartbeatMonitor(bind=f"{host}:0", on_lost=self._on_failure, on_hang=self._on_failure)
         hb_address = self._monitor.start()

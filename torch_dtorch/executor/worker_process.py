@@ -41,8 +41,11 @@ import zmq
 
 from torch_dtorch.executor.cluster_protocol import DEFAULT_START_TIMEOUT_S, EXIT_ERROR, EXIT_OK
 from torch_dtorch.executor.heartbeat import HeartbeatClient
+from torch_dtorch.executor.heartbeat.client import exit_on_controller_lost
 from torch_dtorch.executor.transport import MessageKind, Pusher, Subscriber, TransportError
 from torch_dtorch.executor.transport.errors import SequenceError
+from torch_dtorch.executor.transport.rejects import RejectLog
+from torch_dtorch.executor.transport.tempdirs import remove_if_orphaned, remove_store_if_orphaned
 from torch_dtorch.executor.transport.wire import decode, encode
 
 __all__ = ["WorkerProcess"]
@@ -50,6 +53,7 @@ __all__ = ["WorkerProcess"]
 log = logging.getLogger("torch_dtorch.worker")
 
 _POLL_S = 0.2
+_REJECT_REPORT_S = 1.0
 
 
 class _LockedPusher(Pusher):
@@ -120,6 +124,8 @@ class WorkerProcess:
         self.ipc: Any = None  # WorkerIpc when CUDA tensors travel as CUDA IPC handles (local CUDA workers)
         #: on the kernel thread: the batch whose last instruction runs now (acknowledged with its reply)
         self.ack_with_value: int | None = None
+        #: messages this worker dropped (count, latest texts; reported to the controller rate-limited)
+        self.rejects = RejectLog(log, f"worker {self.worker_id}", interval_s=_REJECT_REPORT_S)
 
     # --- start-up -----------------------------------------------------------------------------------------------
     def join(self) -> dict[str, Any]:
@@ -186,6 +192,7 @@ class WorkerProcess:
             self.worker_id,
             host=self.host or socket.gethostname(),
             connect_timeout_s=self.start_timeout_s,
+            on_controller_lost=self._controller_lost,
         )
         self.hb.start()
         self.sub = Subscriber(
@@ -205,11 +212,25 @@ class WorkerProcess:
                 self._batch_loop
             )  # receive and run on the kernel thread: no hand-off per batch
             while not self.stop.wait(_POLL_S):
-                pass
+                pending = self.rejects.take_pending()
+                if pending is not None:
+                    self._forward_rejects(*pending)
         finally:
             self.stop.set()
             self._close()
         return self.exit_code
+
+    def _controller_lost(self, reason: str) -> None:
+        """The controller is gone (heartbeat): remove what it can no longer remove (its socket directories and
+        shared-memory store, only once its process is gone), then exit at once."""
+        try:
+            for endpoint in (self.controller, self.welcome.get("pub", ""), self.welcome.get("pull", "")):
+                remove_if_orphaned(str(endpoint))
+            if self.shm is not None:
+                remove_store_if_orphaned(self.shm.path)
+        except Exception as e:  # noqa: BLE001 - exiting anyway
+            log.warning("worker %s: cleaning up after the controller failed: %s", self.worker_id, e)
+        exit_on_controller_lost(reason)
 
     def _attach_shm(self, w: dict[str, Any]) -> None:
         path = w.get("shm")
@@ -422,11 +443,17 @@ class WorkerProcess:
         return value_body(key, value, shm=self.shm, threshold=self.shm_threshold, direction="f")
 
     def _report_reject(self, err: TransportError) -> None:
-        log.warning("worker %s: dropped a message: %s", self.worker_id, err)
+        """Count a dropped message; the controller hears of the first at once, of the next ones at most once per
+        ``_REJECT_REPORT_S`` (with their count): a flood costs neither memory nor one reply per message."""
+        n = self.rejects.add(str(err), kind=type(err).__name__)
+        if n:
+            self._forward_rejects(n, str(err))
+
+    def _forward_rejects(self, count: int, text: str) -> None:
         pusher = getattr(self, "pusher", None)
         if pusher is not None and not pusher.closed:
             try:
-                pusher.send({"rejected": str(err)}, kind=MessageKind.ERROR)
+                pusher.send({"rejected": text, "count": count}, kind=MessageKind.ERROR)
             except TransportError:
                 pass
 

@@ -15,6 +15,7 @@ for :meth:`HeartbeatMonitor.check`, which the controller calls from its own thre
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import time
@@ -62,6 +63,67 @@ class WorkerStatus:
     hung: bool = False
 
 
+class DaemonPool(futures.Executor):
+    """The gRPC server's handler threads, as **daemon** threads that interpreter exit does not wait for.
+
+    ``concurrent.futures.ThreadPoolExecutor`` joins its threads at interpreter exit, before ``atexit`` handlers run;
+    a heartbeat stream handler only ends when its worker leaves, and workers only leave when dtorch's ``atexit``
+    shutdown tells them to: a script that ended without ``dt.shutdown()`` never exited. These threads are not
+    joined at exit, so the ``atexit`` shutdown runs and ends the streams."""
+
+    def __init__(self, *, max_workers: int, thread_name_prefix: str) -> None:
+        self._max_workers = max_workers
+        self._prefix = thread_name_prefix
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future[Any]:
+        future: futures.Future[Any] = futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("DaemonPool: submit after shutdown")
+            self._queue.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
+                t = threading.Thread(
+                    target=self._run, name=f"{self._prefix}_{len(self._threads)}", daemon=True
+                )
+                t.start()
+                self._threads.append(t)
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            del item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as e:  # noqa: BLE001 - delivered through the future
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
+            del future, fn, args, kwargs
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(None)
+        if wait:
+            for t in threads:
+                t.join()
+
+
 class HeartbeatMonitor:
     """gRPC heartbeat server of the controller. Use as a context manager or call :meth:`start`/:meth:`stop`."""
 
@@ -94,6 +156,7 @@ class HeartbeatMonitor:
         self._changed = threading.Condition(self._lock)
         self._stopping = threading.Event()
         self._server: Any = None
+        self._pool: DaemonPool | None = None
         self._watchdog: threading.Thread | None = None
         self.address: str | None = None
 
@@ -103,8 +166,9 @@ class HeartbeatMonitor:
         """Start serving; returns the ``host:port`` address workers connect to."""
         if self._server is not None:
             raise HeartbeatError("HeartbeatMonitor.start() called twice.")
+        self._pool = DaemonPool(max_workers=self._max_workers, thread_name_prefix="dtorch-hb-srv")
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="dtorch-hb-srv"),
+            self._pool,
             options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=self._max_workers,
         )
@@ -127,6 +191,8 @@ class HeartbeatMonitor:
             self._server.stop(grace_s).wait(5.0)
         if self._watchdog is not None:
             self._watchdog.join(timeout=2.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         with self._changed:
             self._changed.notify_all()
 

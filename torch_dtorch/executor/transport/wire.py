@@ -7,7 +7,10 @@ A message is a list of ZMQ frames::
 * ``header``: ``struct`` ``!4sHHQQIH`` = magic ``b"DTRW"``, format version, :class:`MessageKind`, session id,
   sequence number, number of buffer frames, length of the sender id; then the UTF-8 sender id; then the 32-byte
   HMAC-SHA256 tag.
-* ``payload``: UTF-8 JSON (strict: no NaN literals) of the body with a few tagged objects (below).
+* ``payload``: UTF-8 JSON of the body with a few tagged objects (below). Standard JSON only: the decoder refuses
+  ``NaN`` / ``Infinity`` literals, payloads over :data:`MAX_PAYLOAD_BYTES` (``DTORCH_WIRE_MAX_PAYLOAD_BYTES``,
+  checked before the signature is computed) and nesting deeper than :data:`MAX_DEPTH` levels, with a
+  :class:`ProtocolError` naming the sender (as its header claims it, and the socket's peer address where known).
 * ``buffer_i``: raw bytes of a contiguous CPU tensor (sent zero-copy from a ``memoryview``) or of a ``bytes`` value.
 
 The tag is HMAC-SHA256 with the per-cluster secret over the header (without the tag) followed by, for every other
@@ -30,6 +33,7 @@ import enum
 import hmac
 import json
 import math
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +55,7 @@ __all__ = [
     "Message",
     "MessageKind",
     "check_secret",
+    "claimed_sender",
     "decode",
     "encode",
     "sign",
@@ -64,7 +69,25 @@ TAG_BYTES = 32
 _HEADER = struct.Struct("!4sHHQQIH")
 _FRAME_LEN = struct.Struct("!Q")
 _MAX_DEPTH = 64
+MAX_DEPTH = _MAX_DEPTH
 _MAX_U64 = 2**64 - 1
+
+
+def _env_max_payload() -> int:
+    raw = os.environ.get("DTORCH_WIRE_MAX_PAYLOAD_BYTES", "").strip()
+    if not raw:
+        return 256 << 20
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"DTORCH_WIRE_MAX_PAYLOAD_BYTES={raw!r} is not an integer") from None
+    if value < 1024:
+        raise ValueError(f"DTORCH_WIRE_MAX_PAYLOAD_BYTES={raw!r} must be >= 1024")
+    return value
+
+
+#: the largest JSON payload frame a receiver parses (tensor bytes travel in buffer frames, not counted here)
+MAX_PAYLOAD_BYTES = _env_max_payload()
 
 Frame = bytes | bytearray | memoryview
 
@@ -147,6 +170,12 @@ def _parse_header(frames: Sequence[object]) -> tuple[tuple[Any, ...], str, memor
         raise ProtocolError(f"header length {header.nbytes} does not match sender length {sender_len}")
     if len(frames) != 2 + n_buffers:
         raise ProtocolError(f"truncated message: {len(frames)} frames, header announces {2 + n_buffers}")
+    payload_bytes = _view(frames[1]).nbytes
+    if payload_bytes > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(
+            f"payload of {payload_bytes} bytes is over the limit of {MAX_PAYLOAD_BYTES} "
+            "(DTORCH_WIRE_MAX_PAYLOAD_BYTES)"
+        )
     sender_bytes = bytes(header[_HEADER.size : _HEADER.size + sender_len])
     try:
         sender = sender_bytes.decode("utf-8")
@@ -197,12 +226,32 @@ def decode(frames: Sequence[object], *, secret: bytes) -> Message:
         mkind = MessageKind(kind)
     except ValueError as e:
         raise ProtocolError(f"unknown message kind {kind}") from e
+    where = f"{mkind.name} seq {seq} from {sender!r}"
     try:
-        tree = json.loads(bytes(_view(frames[1])))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"payload is not valid JSON: {e}") from e
+        tree = json.loads(bytes(_view(frames[1])), parse_constant=_no_constant)
+    except ValueError as e:  # not UTF-8, not JSON, or a non-standard literal
+        raise ProtocolError(f"{where}: payload is not valid JSON: {e}") from e
+    except RecursionError:
+        raise ProtocolError(f"{where}: payload nests deeper than {_MAX_DEPTH} levels") from None
     buffers = [_view(f) for f in frames[2:]]
-    return Message(kind=mkind, seq=seq, sender=sender, session=session, body=_dec(tree, buffers, 0))
+    try:
+        body = _dec(tree, buffers, 0)
+    except ProtocolError as e:
+        raise ProtocolError(f"{where}: {e}") from None
+    return Message(kind=mkind, seq=seq, sender=sender, session=session, body=body)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON literal {name} (standard JSON only)")
+
+
+def claimed_sender(frames: Sequence[object]) -> str:
+    """Who ``frames`` say they come from (the header's sender id, unverified), for error messages."""
+    try:
+        _fields, sender, _header = _parse_header(frames)
+    except ProtocolError:
+        return "<unreadable header>"
+    return repr(sender)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import abc
 import logging
 import secrets
 import shutil
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -36,7 +35,17 @@ from torch_dtorch.executor.transport.errors import (
     TransportClosedError,
     TransportError,
 )
-from torch_dtorch.executor.transport.wire import Frame, Message, MessageKind, check_secret, decode, encode
+from torch_dtorch.executor.transport.rejects import RejectLog
+from torch_dtorch.executor.transport.tempdirs import private_dir
+from torch_dtorch.executor.transport.wire import (
+    Frame,
+    Message,
+    MessageKind,
+    check_secret,
+    claimed_sender,
+    decode,
+    encode,
+)
 
 __all__ = ["Publisher", "Puller", "Pusher", "Receiver", "RejectHandler", "Sender", "Subscriber", "Transport"]
 
@@ -47,8 +56,14 @@ Scheme = Literal["ipc", "tcp"]
 _LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
-def _log_reject(err: TransportError) -> None:
-    logger.warning("dropped a transport message: %s", err)
+def describe_peer(frames: list[zmq.Frame]) -> str:
+    """Who sent ``frames``: the sender id its header claims (unverified) and, on TCP, the peer's address."""
+    who = f"sender {claimed_sender(frames)} (unverified)"
+    try:
+        addr = frames[0].get("Peer-Address")
+    except Exception:  # noqa: BLE001 - ipc sockets and plain bytes have no peer address
+        addr = None
+    return f"{who} at {addr}" if addr else who
 
 
 class Transport(abc.ABC):
@@ -93,7 +108,7 @@ class _Socket:
     def _bind(self, endpoint: str | None, scheme: Scheme, name: str, allow_remote: bool) -> None:
         if endpoint is None:
             if scheme == "ipc":
-                self._tmpdir = tempfile.mkdtemp(prefix="dtorch-")  # mode 0700: private to this user
+                self._tmpdir = private_dir("sock")  # mode 0700: private to this user; named after this pid
                 endpoint = f"ipc://{self._tmpdir}/{name}.sock"
             elif scheme == "tcp":
                 endpoint = "tcp://127.0.0.1:*"
@@ -245,9 +260,13 @@ class _SignedReceiver(_Socket, Receiver):
     def __init__(self, socket_type: int, *, secret: bytes, on_reject: RejectHandler | None) -> None:
         super().__init__(socket_type)
         self._secret = check_secret(secret)
-        self._on_reject = on_reject or _log_reject
+        self._on_reject = on_reject or self._log_reject
         self.rejected = 0
+        self._reject_log = RejectLog(logger, type(self).__name__)
         self.session: int | None = None
+
+    def _log_reject(self, err: TransportError) -> None:
+        self._reject_log.add(str(err), kind=type(err).__name__)
 
     def _reject(self, err: TransportError) -> None:
         self.rejected += 1
@@ -257,7 +276,7 @@ class _SignedReceiver(_Socket, Receiver):
         try:
             msg = decode(frames, secret=self._secret)
         except (AuthenticationError, ProtocolError) as e:
-            self._reject(e)
+            self._reject(type(e)(f"{e} [peer: {describe_peer(frames)} on {self.endpoint}]"))
             return None
         if self.session is None:
             self.session = msg.session

@@ -1,0 +1,118 @@
+"""Process-mode hardening (issue 18): a script that ends without ``dt.shutdown()`` exits at once and leaves
+nothing behind; a controller killed with SIGKILL leaves nothing behind either (its workers clean up); a flood of
+badly signed messages costs neither memory nor one log line each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tracemalloc
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+import torch_dtorch as dt
+from tests.cluster.conftest import alive, leftovers, wait_gone
+from torch_dtorch.executor.transport import MessageKind
+from torch_dtorch.executor.transport.wire import encode
+
+# A tiny process-mode controller: prints its workers' pids and its own files as JSON, then "END"; it ends
+# without dt.shutdown() (argv[1] == "exit") or waits to be killed (argv[1] == "hang").
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    import torch_dtorch as dt
+    from torch.distributed.tensor import Shard
+    from tests.cluster.conftest import owned_paths
+    mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+    x = dt.distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    assert (x * 2).full_tensor().tolist() == [2.0 * i for i in range(8)]
+    r = dt.device.state.get_runtime().executor.runner
+    pids = [m.proc.pid for m in r.members.values()]
+    print(json.dumps({"pids": pids, "paths": owned_paths(r)}), flush=True)
+    print("END", flush=True)
+    if sys.argv[1] == "hang":
+        time.sleep(600)
+    """
+)
+
+
+def _start(mode: str) -> tuple[subprocess.Popen[str], dict[str, list]]:
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, mode], stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd()
+    )
+    assert proc.stdout is not None
+    info = json.loads(proc.stdout.readline())
+    assert proc.stdout.readline().strip() == "END"
+    return proc, info
+
+
+@pytest.mark.slow
+def test_script_without_shutdown_exits_promptly_and_leaves_nothing() -> None:
+    proc, info = _start("exit")
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    took = time.monotonic() - t0
+    assert proc.returncode == 0
+    assert took < 4.0, f"the script took {took:.2f} s to exit after its last line"
+    assert wait_gone(info["pids"], 2.0) == []
+    assert leftovers(info["paths"]) == []
+
+
+@pytest.mark.slow
+def test_killed_controller_leaves_nothing_behind() -> None:
+    proc, info = _start("hang")
+    assert all(alive(p) for p in info["pids"])
+    assert all(os.path.exists(p) for p in info["paths"])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert wait_gone(info["pids"], 5.0) == [], "workers outlived their killed controller"
+    deadline = time.monotonic() + 3.0
+    while leftovers(info["paths"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leftovers(info["paths"]) == [], "the workers did not remove their dead controller's files"
+
+
+def test_signed_message_flood_is_counted_not_kept() -> None:
+    mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+    r = dt.device.state.get_runtime().executor.runner
+    x = dt.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    import zmq
+
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(r._pull.endpoint)
+    bad = encode({"v": "y" * 200}, kind=MessageKind.ACK, seq=1, sender="w0", secret=b"z" * 32)
+    before = len(r.rejected)
+    try:
+        tracemalloc.start()
+        for n, batch in enumerate((2000, 10000)):
+            for _ in range(batch):
+                push.send_multipart(bad)
+            deadline = time.monotonic() + 60
+            target = before + (2000 if n == 0 else 12000)
+            while len(r.rejected) < target and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(r.rejected) == target
+            if n == 0:
+                base, _ = tracemalloc.get_traced_memory()
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+        push.close()
+    assert grown < 200_000, f"10000 rejected messages grew the controller by {grown} bytes"
+    assert len(r.rejected.recent) <= 32
+    assert "signature does not match" in r.rejected.recent[-1] and "w0" in r.rejected.recent[-1]
+    torch.testing.assert_close((x + 1).full_tensor(), torch.arange(4.0) + 1)  # the cluster is unaffected
