@@ -9,6 +9,7 @@ import torch
 import torch_dtorch as dt
 from tests.eager.conftest import init_mesh
 from torch_dtorch import Replicate, Shard
+from torch_dtorch.nn import replicate_module
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face test needs transformers (test extra)"
@@ -46,3 +47,24 @@ def test_llama_forward_matches_torch(num_devices: int, grad: bool) -> None:
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2])
+def test_generate_is_the_first_call_on_a_fresh_model(num_devices: int) -> None:
+    """HF ``generate`` before any forward, on a fresh pool: its ``pad_token_id.to(input_ids.device)`` makes a dtorch
+    scalar before any op has bound a mesh (it used to recurse forever). Greedy tokens equal torch's."""
+    cfg, _ = tiny_llama()
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    dt.shutdown()  # nothing bound yet: the state a user's first call starts from
+    mesh = init_mesh((num_devices,))
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    replicate_module(model, mesh)  # placed by upload: no op has run on the mesh yet
+    got = model.generate(
+        ids.to("dtorch"), attention_mask=mask.to("dtorch"), max_new_tokens=6, do_sample=False
+    )
+    assert torch.equal(dt.to_torch(got), want)

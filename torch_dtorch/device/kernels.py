@@ -11,7 +11,7 @@ import torch
 from torch_dtorch._tree import map_only
 from torch_dtorch.device import binding, state
 from torch_dtorch.device.state import Runtime, get_runtime
-from torch_dtorch.device.tensors import TABLE, is_dtorch
+from torch_dtorch.device.tensors import DEVICE_NAME, TABLE, is_dtorch
 from torch_dtorch.errors import DTorchError, PlacementMismatchError
 from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.placement import Replicate, is_partial, is_replicate
@@ -260,8 +260,19 @@ def _on_host(rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     host_args, host_kwargs = map_only(Operand, value, (args, kwargs))
     if missing:
         return None
+    # a target device of ``dtorch`` (``t.to(x.device)``, ``torch.tensor(3, device=x.device)``) means the controller's
+    # CPU here: the result is wrapped as an unbound operand again (left as ``dtorch``, the op would come back to
+    # this kernel forever)
+    host_args, host_kwargs = map_only((torch.device, str), _host_device, (host_args, host_kwargs))
     out = op(*host_args, **host_kwargs)
     return map_only(torch.Tensor, lambda t: wrap(rt, binding.defer_upload(rt, t)), out)
+
+
+def _host_device(d: torch.device | str) -> torch.device | str:
+    """``d`` with the ``dtorch`` device replaced by the controller's CPU (other values unchanged)."""
+    if isinstance(d, torch.device):
+        return torch.device("cpu") if d.type == DEVICE_NAME else d
+    return "cpu" if d.split(":", 1)[0] == DEVICE_NAME else d
 
 
 def check_as_strided(op: Any, args: tuple[Any, ...]) -> None:
