@@ -7,24 +7,38 @@
 | ``redistribute`` | redistribute policy for placement propagation (``"auto"``, ``"local"``, ``"never"``; see ``DTORCH_REDISTRIBUTE``) | ``DTORCH_REDISTRIBUTE`` |
 | ``decompositions`` | extra aten overloads to decompose during capture, on top of the small built-in table | ``()`` |
 | ``reports`` | a list: every compiled variant appends its :class:`~torch_dtorch.backend.report.CompileReport` (the three graphs) | ``None`` |
-| ``file`` | ``dtorch_debug`` only: where the three graphs are written (any object with ``write``) | ``sys.stdout`` |
+| ``file`` | ``dtorch_debug`` only: where the three graphs are written: any object with ``write``, or a path (``str`` / ``os.PathLike``: each report is appended to that file) | ``sys.stdout`` |
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch_dtorch.config import RedistributePolicy
 
-__all__ = ["CompileOptions", "CompileOptionsError", "check_cudagraph_devices"]
+__all__ = ["CompileOptions", "CompileOptionsError", "FileSink", "check_cudagraph_devices"]
 
 _WORKER_COMPILERS = ("eager", "inductor")
 
 
 class CompileOptionsError(ValueError):
     """``options={...}`` given to ``torch.compile(backend="dtorch")`` holds an unknown key or a bad value."""
+
+
+@dataclass(frozen=True)
+class FileSink:
+    """``options={"file": path}``: each report is appended to ``path`` (opened for each write, so nothing stays
+    open between compiles)."""
+
+    path: Path
+
+    def write(self, text: str) -> int:
+        with self.path.open("a", encoding="utf-8") as f:
+            return f.write(text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,9 +94,18 @@ class CompileOptions:
                 f"got {type(reports).__name__}"
             )
         out = raw.get("file")
-        if out is not None and not hasattr(out, "write"):
+        if isinstance(out, (str, os.PathLike)):
+            path = Path(out)
+            if not path.parent.is_dir() or path.is_dir():
+                raise CompileOptionsError(
+                    f"torch.compile(backend={backend!r}): file={str(out)!r} is not a writable file path (its "
+                    "directory must exist)"
+                )
+            out = FileSink(path)
+        elif out is not None and not hasattr(out, "write"):
             raise CompileOptionsError(
-                f"torch.compile(backend={backend!r}): file must have a write() method, got {type(out).__name__}"
+                f"torch.compile(backend={backend!r}): file must be a path (str or os.PathLike) or have a write() "
+                f"method, got {type(out).__name__}"
             )
         return cls(
             worker_compiler=wc,
