@@ -114,6 +114,9 @@ class MemoryTensorStore(TensorStore):
 
     def put(self, key: StoreKey, tensor: torch.Tensor) -> None:
         key = _check_key(key)
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            # the taker uses it on its own stream (a worker's compute stream): the value must be complete first
+            torch.cuda.current_stream(tensor.device).synchronize()
         with self._cond:
             self._check_open()
             if key in self._values:

@@ -319,7 +319,14 @@ class TorchDistComm:
     first use, which is safe because every member reaches its first collective on a group at the same point of
     the instruction stream. ``store`` is shared by every rank (``HashStore`` in one process, ``TCPStore`` across
     processes); ``prefix`` separates several worlds on one store.
+
+    Its collectives are **stream-ordered** on CUDA: they read their input and write their result in the order of the
+    calling (current) stream — host-staged Gloo copies on it synchronously, NCCL orders its own stream against it and
+    records the tensors for the allocator — so a worker needs no host synchronization around them.
     """
+
+    #: read by :class:`~torch_dtorch.runtime.kernel.Kernel`: no host synchronization around redistributes
+    stream_ordered = True
 
     def __init__(
         self,

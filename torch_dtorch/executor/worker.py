@@ -1,7 +1,7 @@
 """``Worker``: the state of one device — its blobs — and the interpreter of the instructions sent to it.
 
 A worker runs on its :class:`~torch_dtorch.runtime.stream.KernelStream` thread (thread mode) or as its own process
-(process mode, later issue). It receives every batch and skips the instructions that do not concern its device.
+(process mode: :mod:`~torch_dtorch.executor.worker_process`). It receives every batch and skips the instructions that do not concern its device.
 Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.kernel`); unrelated operands keep working.
 """
 
@@ -148,8 +148,13 @@ class Worker:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"the store holds {type(value).__name__} under {(instr.key, self.device)}")
             if self.stream is not None and self.stream.is_cuda:
-                with self.stream.use(COMPUTE):
-                    value = value.to(self.torch_device)
+                if value.device == self.torch_device:
+                    # already here (a CUDA IPC upload, copied on the receiving thread's stream and complete): the
+                    # compute stream uses memory another stream allocated (rule 3 of runtime/stream.py)
+                    value = self.stream.adopt(value, COMPUTE)
+                else:
+                    with self.stream.use(COMPUTE):
+                        value = value.to(self.torch_device)
             elif value.device != self.torch_device:
                 value = value.to(self.torch_device)
             if self.kernel.validate:

@@ -93,7 +93,9 @@ class Kernel:
         comm: the worker's communicator, passed to ``execute_plan``.
         validate: check every output against the inferred metadata (``DTORCH_VALIDATE_KERNEL_IO``).
         board: shared :class:`PoisonBoard` (thread mode), or ``None``.
-        host_sync_collectives: on CUDA, make redistributes host-synchronous (needed by in-memory collectives).
+        host_sync_collectives: on CUDA, make redistributes host-synchronous (needed by in-memory collectives);
+            ``None`` (default): unless the communicator is stream-ordered (``comm.stream_ordered``: its collectives run
+            in the order of the calling stream, as ``torch.distributed`` backends do).
     """
 
     def __init__(
@@ -106,7 +108,7 @@ class Kernel:
         *,
         validate: bool = False,
         board: PoisonBoard | None = None,
-        host_sync_collectives: bool = True,
+        host_sync_collectives: bool | None = None,
     ) -> None:
         self.device = device
         self.torch_device = torch_device
@@ -117,7 +119,11 @@ class Kernel:
         self.board = board
         #: CUDA with in-memory collectives: a collective's results are computed by whichever rank's thread arrives
         #: last, on its own stream, so a redistribute waits for its input on the host and for the device after.
-        self.host_sync_collectives = host_sync_collectives
+        self.host_sync_collectives = (
+            not getattr(comm, "stream_ordered", False)
+            if host_sync_collectives is None
+            else host_sync_collectives
+        )
         self._meshes: dict[DeviceMesh, _MeshInfo] = {}
         self._execute_plan: Callable[..., torch.Tensor | None] | None = None
 
@@ -205,9 +211,7 @@ class Kernel:
         if self.board is not None and node.outputs:
             self.board.post(node.outputs[0].id, err)
         zeros: list[Blob | None] = [
-            None
-            if x is None
-            else Blob(torch.zeros(self.local_shape(x), dtype=x.dtype, device=self.torch_device))
+            None if x is None else Blob(self._zeros(self.local_shape(x), x.dtype, COMPUTE))
             for x in node.inputs
         ]
         try:
@@ -293,7 +297,7 @@ class Kernel:
             if err is not None:
                 # take part anyway with zeros of the right shape, so that peers never wait forever
                 b = None
-                local = torch.zeros(expected, dtype=x.dtype, device=self.torch_device)
+                local = self._zeros(expected, x.dtype, COMM)
                 if self.board is not None:
                     self.board.post(y.id, err)
             else:
@@ -312,7 +316,7 @@ class Kernel:
                     out = self.execute_plan(plan, local, device=self.device, comm=self.comm)
                 if host_sync:
                     # the result may have been computed on a peer thread's stream: wait for the device
-                    torch.cuda.synchronize(self.torch_device)
+                    stream.synchronize_device()
             else:
                 out = self.execute_plan(plan, local, device=self.device, comm=self.comm)
         except Exception as e:  # noqa: BLE001 - becomes the output's sticky error
@@ -337,13 +341,21 @@ class Kernel:
             if err is None:
                 assert out is not None
                 blob = Blob(out)
-                if self.stream is not None and not host_sync:
+                if self.stream is not None:
+                    # also after a host-synchronous redistribute: the output was allocated on the comm stream, and a
+                    # reader on the compute stream must record_stream it (rule 3 of runtime/stream.py), or the
+                    # allocator hands its memory to the next comm-stream allocation while that reader still runs
                     self.stream.stamp([blob], COMM)
                 self.blobs[y.id] = blob
             else:
                 self.blobs[y.id] = Blob(error=err)
         if after_hooks:
             _call_hooks(after_hooks, instr if instr is not None else node, self.device)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tensor:
+        if self.stream is None:
+            return torch.zeros(shape, dtype=dtype, device=self.torch_device)
+        return self.stream.zeros(shape, dtype, kind)
 
     # --- checks -------------------------------------------------------------------------------------------------
     def check_output(self, op: str, index: int, t: Any, o: Operand, call_site: str | None = None) -> None:

@@ -1,10 +1,22 @@
 """``KernelStream``: one worker thread that runs closures in submission order, plus its CUDA streams.
 
-On a CUDA device the stream owns a **compute** and a **communication** stream. Every tensor a kernel writes is
-stamped (in its :class:`~torch_dtorch.runtime.blob.Blob`) with the stream that wrote it and an event recorded after
-the write; a kernel on the other stream waits for that event before reading (and marks the tensor as used by its
-stream for the caching allocator), so no stream ever reads what another is still writing. Redistributes run on the
+On a CUDA device the stream owns a **compute** and a **communication** stream. Redistributes run on the
 communication stream, everything else on the compute stream. On the CPU the same API exists without streams.
+
+The stream-ordering rules of a worker (docs/cluster.md, "Stream ordering on a worker"), all applied here:
+
+1. **Stamp every write.** Every blob a kernel, redistribute, upload or program stores is stamped (:meth:`stamp`) with
+   the stream that wrote it and an event recorded after the write — also when the write was host-synchronous.
+2. **Wait before a cross-stream read.** A reader on another stream waits for that event first (:meth:`wait_for`).
+3. **Tell the allocator about every cross-stream use.** The caching allocator hands a freed block out again as soon
+   as its *allocating* stream has reached the free, so a tensor used on any other stream is ``record_stream``-ed
+   there (:meth:`wait_for` for blobs, :meth:`adopt` for tensors that arrive from another thread's stream: CUDA IPC
+   uploads, in-memory collectives). A blob can then be dropped (``Free``) at any time.
+4. **Allocate where you write.** Temporaries (zeros of a failed input) are made on the stream that uses them
+   (:meth:`zeros`), never on the thread's default stream.
+
+Tests check the rules on the CPU with a fake of the three primitives (:meth:`_event`, :meth:`_wait_event`,
+:meth:`_record_stream`): tests/unit/test_stream_rules.py.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -117,31 +129,60 @@ class KernelStream:
             yield
 
     def wait_for(self, blobs: Iterable[Blob | None], kind: str) -> None:
-        """Make stream ``kind`` wait until every blob written on another stream is complete."""
+        """Before stream ``kind`` reads ``blobs``: order it after each write made on another stream (its event), and
+        tell the allocator the tensor is used there (rules 2 and 3)."""
         if not self.is_cuda:
             return
-        s = self._streams[kind]
         for b in blobs:
-            if b is None or b.event is None or b.stream == kind or b.waited == kind or b.tensor is None:
+            if b is None or b.tensor is None or b.stream == kind or b.waited == kind:
                 continue
-            s.wait_event(b.event)
-            if b.tensor.device.type == "cuda":
-                b.tensor.record_stream(s)  # the allocator must not reuse it before ``s`` is done with it
-            # ``s`` stays ordered after the write, and one record_stream covers every later use
+            if b.event is not None:
+                self._wait_event(kind, b.event)
+            self._record_stream(b.tensor, kind)
+            # ``kind`` stays ordered after the write, and one record_stream covers every later use
             b.waited = kind
 
     def stamp(self, blobs: Iterable[Blob], kind: str) -> None:
-        """Record that ``blobs`` were written on stream ``kind`` (one event after the write)."""
+        """Record that ``blobs`` were written on stream ``kind`` (one event after the write; rule 1)."""
         if not self.is_cuda:
             for b in blobs:
                 b.stream = kind
             return
-        event = torch.cuda.Event()
-        event.record(self._streams[kind])
+        event = self._event(kind)
         for b in blobs:
             b.stream = kind
             b.event = event
             b.waited = None
+
+    def adopt(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        """``tensor`` was allocated on another thread's stream (a CUDA IPC upload) and is complete; from now on it is
+        used on ``kind``: tell the allocator (rule 3). No-op on the CPU."""
+        if self.is_cuda:
+            self._record_stream(tensor, kind)
+        return tensor
+
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype, kind: str) -> torch.Tensor:
+        """Zeros allocated and written on stream ``kind`` (rule 4)."""
+        with self.use(kind):
+            return torch.zeros(tuple(shape), dtype=dtype, device=self.torch_device)
+
+    def synchronize_device(self) -> None:
+        """Wait for everything queued on this stream's device (every stream of the process there)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.torch_device)
+
+    # --- the three CUDA primitives (a test fake overrides these to check the rules on the CPU) -------------------
+    def _event(self, kind: str) -> Any:
+        event = torch.cuda.Event()
+        event.record(self._streams[kind])
+        return event
+
+    def _wait_event(self, kind: str, event: Any) -> None:
+        self._streams[kind].wait_event(event)
+
+    def _record_stream(self, tensor: torch.Tensor, kind: str) -> None:
+        if tensor.device.type == "cuda":
+            tensor.record_stream(self._streams[kind])
 
     def synchronize(self) -> None:
         """Wait for every kernel queued on both streams (no-op on the CPU)."""
