@@ -1,0 +1,41 @@
+"""``ExecuteConfig``: how a parallelized diffusion pipeline executes (context-parallel mode, compilation, VAE).
+
+The cache (FirstBlockCache, TeaCache), quantization (fp8 / int8 weight-only) and fusion options of the design
+(``CacheConfig``, ``QuantizeConfig``, ``FuseConfig``) are not built yet; they will be fields of this dataclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch_dtorch.errors import PipelineParallelError
+
+__all__ = ["CP_MODES", "CpMode", "ExecuteConfig"]
+
+CpMode = Literal["ulysses", "ring", "both"]
+CP_MODES: tuple[str, ...] = ("ulysses", "ring", "both")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecuteConfig:
+    """Execution options of :func:`~torch_dtorch.apps.diffusion.parallelize_pipeline`.
+
+    Args:
+        cp_mode: context parallelism over the mesh axis ``"cp"``: ``"ulysses"`` (all-to-all sequence -> heads) or
+            ``"ring"`` (sequence stays sharded, key/value blocks rotate); ``"both"`` uses two axes named
+            ``"ulysses"`` and ``"ring"``. Axes already named ``"ulysses"`` / ``"ring"`` say their mode themselves.
+        compile: run the transformer through ``torch.compile(backend="dtorch")`` (one local program per worker).
+        vae_tiling: decode the latents tile by tile (``AutoencoderKL.enable_tiling``): less memory at large sizes.
+    """
+
+    cp_mode: CpMode = "ulysses"
+    compile: bool = False
+    vae_tiling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cp_mode not in CP_MODES:
+            raise PipelineParallelError(
+                f"ExecuteConfig: cp_mode={self.cp_mode!r} is not one of {list(CP_MODES)}; use 'ulysses' or "
+                "'ring' with a mesh axis 'cp', or 'both' with two axes 'ulysses' and 'ring'"
+            )

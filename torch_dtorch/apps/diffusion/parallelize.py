@@ -1,0 +1,379 @@
+"""``parallelize_pipeline``: an unmodified diffusers ``FluxPipeline`` / ``StableDiffusion3Pipeline`` on a mesh.
+
+What is adapted (nothing in diffusers is edited):
+
+- The **transformer** — where the work is — moves to the mesh: its parameters become dtorch tensors (Replicate,
+  or Megatron-style shards on a ``"tp"`` axis), and its class is swapped for a subclass (same name and config)
+  whose ``forward`` places the call's inputs on the mesh, runs the unmodified diffusers ``forward`` (eagerly or
+  through ``torch.compile(backend="dtorch")``) and hands back plain tensors. Its ``device`` reports the host device,
+  so the pipeline keeps creating latents and running the scheduler where the text encoders and VAE live.
+- Inputs that do not change between steps (prompt embeddings, ids, guidance) are placed once and reused.
+- **Text encoders and the VAE** run on one device (the host: the CPU, or ``cuda:0`` for CUDA meshes); they are a
+  small part of the time at the resolutions that need a mesh. The VAE decode is optionally tiled.
+
+Mesh axes (by name): ``"cfg"`` shards the classifier-free-guidance batch (SD3 runs the conditional and
+unconditional halves in one batch); ``"cp"`` shards the joint image + text sequence (``ExecuteConfig.cp_mode``:
+``"ulysses"`` or ``"ring"``; ``"both"`` on two axes ``"ulysses"`` and ``"ring"``); ``"tp"`` shards attention heads
+and MLP hidden units. The attention of FLUX and SD3 is *joint*: text and image tokens are concatenated along the
+sequence before attention, so the placement planner turns the sequence shards into head shards there (one
+all-to-all each for q, k, v) and every device attends over the whole joint sequence with ``1/n`` of the heads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import torch_dtorch as dt
+from torch_dtorch.apps.diffusion.config import ExecuteConfig
+from torch_dtorch.device.tensors import is_dtorch
+from torch_dtorch.errors import PipelineParallelError
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement import Placement, Replicate, Shard
+
+__all__ = ["MeshPlan", "parallelize_pipeline", "plan_mesh", "transformer_tp_plan"]
+
+log = logging.getLogger(__name__)
+
+_R = Replicate()
+#: mesh axis names the pipelines understand
+AXIS_NAMES = ("cfg", "cp", "ulysses", "ring", "tp")
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What differs between the supported pipelines."""
+
+    pipeline: str
+    #: dim of ``hidden_states`` that context parallelism splits (FLUX: packed tokens; SD3: latent rows)
+    seq_dim: int
+    #: whether the pipeline batches the classifier-free-guidance halves through one transformer call
+    cfg_batch: bool
+    #: transformer inputs that carry the batch dim first (sharded on ``cfg``)
+    batched: tuple[str, ...]
+
+
+_FAMILIES = {
+    "FluxPipeline": _Family(
+        "FluxPipeline",
+        seq_dim=1,
+        cfg_batch=False,
+        batched=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
+    ),
+    "StableDiffusion3Pipeline": _Family(
+        "StableDiffusion3Pipeline",
+        seq_dim=2,
+        cfg_batch=True,
+        batched=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """The mesh a pipeline runs on, with the axis roles resolved.
+
+    ``mesh`` is the user's mesh with every context-parallel axis named by its mode (``"ulysses"`` or ``"ring"``,
+    the names the attention rule reads); ``cfg`` / ``tp`` are axis indices or ``None``; ``cp`` the CP axes."""
+
+    mesh: DeviceMesh
+    cfg: int | None
+    cp: tuple[int, ...]
+    tp: int | None
+
+    @property
+    def cp_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.cp)
+
+    def size(self, axis: int | None) -> int:
+        return 1 if axis is None else self.mesh.shape[axis]
+
+
+def plan_mesh(mesh: DeviceMesh, config: ExecuteConfig) -> MeshPlan:
+    """Check the mesh's axis names and resolve their roles (see the module docstring)."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise PipelineParallelError(
+            f"parallelize_pipeline: the mesh {mesh} has no axis names; name every axis with one of "
+            f"{list(AXIS_NAMES)} (e.g. dt.init_device_mesh('cpu', (2,), mesh_dim_names=('cp',)))"
+        )
+    unknown = [n for n in names if n not in AXIS_NAMES]
+    if unknown:
+        raise PipelineParallelError(
+            f"parallelize_pipeline: mesh axes {list(unknown)} of {mesh} have no meaning for a diffusion pipeline; "
+            f"axis names: 'cfg' (guidance batch), 'cp' (context parallel, ExecuteConfig.cp_mode), 'ulysses' / "
+            "'ring' (cp_mode='both'), 'tp' (tensor parallel)"
+        )
+    cp_names = [n for n in names if n in ("cp", "ulysses", "ring")]
+    mode = config.cp_mode
+    if mode == "both":
+        if sorted(cp_names) != ["ring", "ulysses"]:
+            raise PipelineParallelError(
+                f"parallelize_pipeline: cp_mode='both' needs two mesh axes named 'ulysses' and 'ring', got "
+                f"{list(names)}"
+            )
+    elif "cp" in cp_names and len(cp_names) > 1:
+        raise PipelineParallelError(
+            f"parallelize_pipeline: mesh axes {list(names)} mix 'cp' with {[n for n in cp_names if n != 'cp']}; "
+            "use one axis 'cp' (mode from ExecuteConfig.cp_mode) or axes 'ulysses' and 'ring' with cp_mode='both'"
+        )
+    elif any(n not in ("cp", mode) for n in cp_names):
+        raise PipelineParallelError(
+            f"parallelize_pipeline: mesh axes {list(names)} name a context-parallel mode that is not "
+            f"ExecuteConfig.cp_mode={mode!r}; name the axis 'cp', or set cp_mode to match"
+        )
+    internal = tuple((mode if n == "cp" else n) for n in names)
+    inner = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=internal)
+    cp = tuple(i for i, n in enumerate(internal) if n in ("ulysses", "ring"))
+    return MeshPlan(
+        inner,
+        cfg=internal.index("cfg") if "cfg" in internal else None,
+        cp=cp,
+        tp=internal.index("tp") if "tp" in internal else None,
+    )
+
+
+def transformer_tp_plan(transformer: nn.Module) -> dict[str, Placement]:
+    """Megatron-style shards of a FLUX / SD3 transformer on the ``tp`` axis, by parameter name: q/k/v projections
+    (image and text streams) and the first MLP layers split their outputs (heads, hidden units), the attention
+    output projections and second MLP layers their inputs. FLUX's single blocks shard their attention heads and
+    ``proj_mlp``; their ``proj_out`` (over the concatenated attention and MLP features) stays replicated."""
+    plan: dict[str, Placement] = {}
+    cols = ("to_q.", "to_k.", "to_v.", "add_q_proj.", "add_k_proj.", "add_v_proj.")
+    for name, _ in transformer.named_parameters():
+        if ".attn." in name and any(c in name for c in cols):
+            plan[name] = Shard(0)
+        elif ".attn." in name and (name.endswith("to_out.0.weight") or name.endswith("to_add_out.weight")):
+            plan[name] = Shard(1)
+        elif (".ff." in name or ".ff_context." in name) and "net.0.proj." in name:
+            plan[name] = Shard(0)
+        elif (".ff." in name or ".ff_context." in name) and name.endswith("net.2.weight"):
+            plan[name] = Shard(1)
+        elif ".proj_mlp." in name:
+            plan[name] = Shard(0)
+    return plan
+
+
+def _check_heads(transformer: Any, plan: MeshPlan) -> None:
+    heads = int(transformer.config.num_attention_heads)
+    split = plan.cp_size * plan.size(plan.tp)
+    if heads % split:
+        raise PipelineParallelError(
+            f"parallelize_pipeline: {type(transformer).__name__} has {heads} attention heads, which the "
+            f"context-parallel x tensor-parallel degree {split} (mesh {plan.mesh.mesh_dim_names} of shape "
+            f"{plan.mesh.shape}) does not divide; joint attention splits the heads over every 'cp' and 'tp' "
+            f"device. Use a degree that divides {heads}"
+        )
+
+
+def _distribute_transformer(transformer: nn.Module, plan: MeshPlan) -> None:
+    """Every parameter and buffer onto the mesh: Replicate, except the TP shards on the ``tp`` axis."""
+    mesh = plan.mesh
+    tp_plan = transformer_tp_plan(transformer) if plan.tp is not None and plan.size(plan.tp) > 1 else {}
+    for name, p in list(transformer.named_parameters()):
+        placements: list[Placement] = [_R] * mesh.ndim
+        if name in tp_plan:
+            assert plan.tp is not None
+            placements[plan.tp] = tp_plan[name]
+        owner_name, _, leaf = name.rpartition(".")
+        owner = transformer.get_submodule(owner_name)
+        owner.register_parameter(
+            leaf, nn.Parameter(dt.distribute_tensor(p.detach(), mesh, placements), False)
+        )
+    for name, b in list(transformer.named_buffers()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = transformer.get_submodule(owner_name)
+        persistent = leaf not in getattr(owner, "_non_persistent_buffers_set", set())
+        owner.register_buffer(leaf, dt.distribute_tensor(b, mesh, [_R] * mesh.ndim), persistent=persistent)
+
+
+@dataclass
+class _Runner:
+    """Per-transformer state of the mesh forward: the plan, the host device, cached placed inputs."""
+
+    family: _Family
+    plan: MeshPlan
+    host: torch.device
+    base_forward: Callable[..., Any]
+    patch_size: int = 1
+    compiled: Callable[..., Any] | None = None
+    #: input name -> (the host tensor it came from, its version, the placed tensor)
+    cache: dict[str, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = field(default_factory=dict)
+
+    def placements(self, name: str, x: torch.Tensor) -> list[Placement]:
+        plan, fam = self.plan, self.family
+        pl: list[Placement] = [_R] * plan.mesh.ndim
+        if plan.cfg is not None and name in fam.batched and x.ndim >= 1:
+            n = plan.size(plan.cfg)
+            if x.shape[0] % n:
+                raise PipelineParallelError(
+                    f"{fam.pipeline}: the transformer's {name} {list(x.shape)} has batch {x.shape[0]}, which the "
+                    f"'cfg' axis of size {n} does not divide; the cfg axis splits the guidance batch (SD3 with "
+                    "guidance_scale > 1 doubles it): use guidance, or drop the cfg axis"
+                )
+            pl[plan.cfg] = Shard(0)
+        if plan.cp and name in ("hidden_states", "encoder_hidden_states"):
+            dim = fam.seq_dim if name == "hidden_states" else 1
+            n = plan.cp_size
+            if name == "hidden_states" and x.shape[dim] % n:
+                raise PipelineParallelError(
+                    f"{fam.pipeline}: the transformer's hidden_states {list(x.shape)} has {x.shape[dim]} "
+                    f"{'latent rows' if dim == 2 else 'image tokens'} (dim {dim}), which the context-parallel "
+                    f"degree {n} does not divide; choose a height/width whose latent sequence splits in {n}"
+                )
+            if name == "hidden_states" and dim == 2:  # SD3: whole patches per rank
+                patch = self.patch_size
+                if x.shape[dim] % (n * patch):
+                    raise PipelineParallelError(
+                        f"{fam.pipeline}: {x.shape[dim]} latent rows do not split into {n} blocks of whole "
+                        f"{patch}-row patches; choose a height that is a multiple of {n * patch} latent rows"
+                    )
+            if x.shape[dim] % n == 0:  # text tokens that do not split stay replicated
+                for a in plan.cp:
+                    pl[a] = Shard(dim)
+        return pl
+
+    def place(self, name: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or is_dtorch(x):
+            return x
+        hit = self.cache.get(name)
+        if hit is not None and hit[0]() is x and hit[1] == x._version:
+            return hit[2]
+        placed = dt.distribute_tensor(x, self.plan.mesh, self.placements(name, x))
+        self.cache[name] = (weakref.ref(x), x._version, placed)
+        return placed
+
+
+def _to_host(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and is_dtorch(x):
+        return x.full_tensor()  # type: ignore[attr-defined]
+    if isinstance(x, tuple):
+        return type(x)(_to_host(v) for v in x)
+    if is_dataclass(x) and not isinstance(x, type):  # diffusers' Transformer2DModelOutput
+        for f in fields(x):
+            setattr(x, f.name, _to_host(getattr(x, f.name)))
+        if isinstance(x, dict):
+            for k in list(x.keys()):
+                x[k] = getattr(x, k)
+    return x
+
+
+def _mesh_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    runner: _Runner = self._dtorch_runner  # type: ignore[assignment]
+    if args:
+        bound = inspect.signature(runner.base_forward).bind_partial(*args, **kwargs)
+        kwargs = dict(bound.arguments)
+    placed = {k: runner.place(k, v) for k, v in kwargs.items()}
+    fn = runner.compiled if runner.compiled is not None else runner.base_forward
+    with torch.no_grad():
+        out = fn(**placed)
+    return _to_host(out)
+
+
+def _host_device(self: Any) -> torch.device:
+    runner: _Runner = self._dtorch_runner
+    return runner.host
+
+
+_MESH_CLASSES: dict[type, type] = {}
+
+
+def _mesh_class(cls: type) -> type:
+    """``cls`` with the mesh forward and the host ``device`` (same name, module and config)."""
+    if cls not in _MESH_CLASSES:
+        _MESH_CLASSES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "forward": _mesh_forward,
+                "device": property(_host_device),
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": f"{cls.__name__} on a dtorch mesh (torch_dtorch.apps.diffusion).",
+            },
+        )
+    return _MESH_CLASSES[cls]
+
+
+def _host_of(mesh: DeviceMesh) -> torch.device:
+    return torch.device("cuda", 0) if mesh.device_type == "cuda" else torch.device("cpu")
+
+
+def _family_of(pipe: Any) -> _Family:
+    for cls in type(pipe).__mro__:
+        if cls.__name__ in _FAMILIES:
+            return _FAMILIES[cls.__name__]
+    raise PipelineParallelError(
+        f"parallelize_pipeline: {type(pipe).__name__} is not supported; supported pipelines: "
+        f"{sorted(_FAMILIES)} (diffusers). Other pipelines: parallelize their transformer with "
+        "torch_dtorch.nn.parallelize_module"
+    )
+
+
+def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | None = None) -> Any:
+    """Run ``pipe`` (a diffusers ``FluxPipeline`` or ``StableDiffusion3Pipeline``) on ``mesh``; in place, returns
+    ``pipe``. The mesh's axis names say what is parallel (``cfg``, ``cp`` / ``ulysses`` / ``ring``, ``tp``: see the
+    module docstring). Call the pipeline exactly as in diffusers afterwards; it returns plain images.
+
+    Raises :class:`~torch_dtorch.errors.PipelineParallelError` for an unsupported pipeline, mesh axis names the
+    pipeline cannot use, or parallel degrees that do not divide the attention heads (the sequence is checked at
+    the first call, when the image size is known)."""
+    config = config or ExecuteConfig()
+    family = _family_of(pipe)
+    plan = plan_mesh(mesh, config)
+    if plan.cfg is not None and plan.size(plan.cfg) > 1 and not family.cfg_batch:
+        raise PipelineParallelError(
+            f"parallelize_pipeline: {family.pipeline} has no classifier-free-guidance batch (FLUX embeds the "
+            f"guidance scale), so the 'cfg' axis of size {plan.size(plan.cfg)} has nothing to split; use it as "
+            "'cp' or 'tp'"
+        )
+    transformer = pipe.transformer
+    if hasattr(transformer, "_dtorch_runner"):
+        raise PipelineParallelError("parallelize_pipeline: this pipeline's transformer is already on a mesh")
+    _check_heads(transformer, plan)
+    host = _host_of(mesh)
+    for name, component in pipe.components.items():
+        if isinstance(component, nn.Module) and name != "transformer":
+            component.to(host)
+    if config.vae_tiling and getattr(pipe, "vae", None) is not None:
+        pipe.vae.enable_tiling()
+    transformer.eval()
+    _distribute_transformer(transformer, plan)
+    base = type(transformer)
+    runner = _Runner(
+        family,
+        plan,
+        host,
+        base_forward=base.forward.__get__(transformer),  # type: ignore[attr-defined]
+        patch_size=int(getattr(transformer.config, "patch_size", 1)),
+    )
+    if config.compile:
+        runner.compiled = torch.compile(runner.base_forward, backend="dtorch")
+    transformer._dtorch_runner = runner
+    transformer.__class__ = _mesh_class(base)
+    log.info(
+        "parallelize_pipeline: %s on mesh %s (axes %s), compile=%s",
+        family.pipeline,
+        tuple(mesh.shape),
+        plan.mesh.mesh_dim_names,
+        config.compile,
+    )
+    return pipe
+
+
+def describe(pipe: Any) -> Mapping[str, Any]:
+    """The mesh plan of a parallelized pipeline (for logs and the CLI)."""
+    runner: _Runner = pipe.transformer._dtorch_runner
+    return {
+        "pipeline": runner.family.pipeline,
+        "mesh": dict(zip(runner.plan.mesh.mesh_dim_names or (), runner.plan.mesh.shape, strict=True)),
+        "compiled": runner.compiled is not None,
+    }
