@@ -194,6 +194,10 @@ def redistribute(
 ) -> torch.Tensor:
     """The same value with other placements (or on another mesh: a pipeline stage move)."""
     _require(t, "redistribute")
+    if t.requires_grad and torch.is_grad_enabled():  # recorded by autograd (backward redistributes back)
+        from torch_dtorch.device.autograd import redistribute_with_grad
+
+        return redistribute_with_grad(t, device_mesh, placements)
     rt = get_runtime()
     operand = operand_of(t, rt)
     if operand.mesh is None:

@@ -23,7 +23,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "nn.functional.bilinear": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
     "nn.functional.fractional_max_pool2d": "no rule yet: aten.fractional_max_pool2d.output (a random op: a rule must replay torch's stream, see device/rng.py)",
     "nn.functional.fractional_max_pool3d": "no rule yet: aten.fractional_max_pool3d.output (a random op: a rule must replay torch's stream, see device/rng.py)",
-    "nn.functional.mse_loss": "uses resize_ (out= of a different shape); dtorch tensors cannot be resized",
     "nn.functional.rrelu": "no rule yet: aten.rrelu_with_noise.default (a random op: a rule must replay torch's stream, see device/rng.py)",
     "nn.functional.smooth_l1_loss": "uses resize_ (out= of a different shape); dtorch tensors cannot be resized",
     "nn.functional.soft_margin_loss": "out= tensor of another shape: dtorch tensors cannot be resized",

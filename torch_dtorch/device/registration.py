@@ -21,6 +21,7 @@ from torch_dtorch.device import fastpath, kernels
 from torch_dtorch.device.rng import install_rng_functions
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
 from torch_dtorch.placement_rules import intercept_list, registered_ops
+from torch_dtorch.placement_rules.backward import MASKED_OUTPUT_OPS
 from torch_dtorch.placement_rules.indexing import SYNC_OPS
 from torch_dtorch.placement_rules.inplace import functional_overload
 
@@ -410,6 +411,21 @@ def _schema_name(op: Any) -> str:
     return name if overload == "default" else f"{name}.{overload}"
 
 
+def _masked_outputs(op: Any):  # noqa: ANN202
+    """Ops whose outputs torch may leave ``None`` (``native_layer_norm_backward`` with an ``output_mask`` or no
+    weight/bias): the operator holds the present outputs only; the ``None`` go back where torch puts them."""
+    from torch_dtorch.placement_rules.backward import present_outputs
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        present = present_outputs(op, args, kwargs)
+        out = kernels.dispatch(op, args, kwargs)
+        got = iter(out if isinstance(out, (list, tuple)) else (out,))
+        return tuple(next(got) if p else None for p in present)
+
+    kernel.__name__ = f"dtorch_masked_{op}"
+    return kernel
+
+
 #: overloads whose kernel first checks for a data-dependent output shape (see ``_sync_kernel``)
 _MAYBE_SYNC = (*SYNC_OPS, aten.index.Tensor, aten.index_put.default)
 
@@ -431,6 +447,10 @@ def ensure_registered() -> None:
         ops += [op for op in _MAYBE_SYNC if op not in ops]
         for op in ops:
             if op in _SPECIAL or op in _GENERIC_ALIASES:
+                continue
+            if op in MASKED_OUTPUT_OPS:
+                lib.impl(_schema_name(op), _masked_outputs(op), "PrivateUse1")
+                _KERNELS[op] = "masked"
                 continue
             if op in _MAYBE_SYNC:
                 inner = _generic(op) if op not in SYNC_OPS else None

@@ -6,7 +6,11 @@ Importing this package registers every built-in rule.
 from __future__ import annotations
 
 # Families register their rules at import (one module per family).
+# isort: off
 from torch_dtorch.placement_rules import families as _families  # noqa: E402,F401
+from torch_dtorch.placement_rules import backward as _backward  # noqa: E402,F401  (autograd's overloads)
+
+# isort: on
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.rule import (
     FunctionRule,

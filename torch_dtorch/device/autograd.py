@@ -1,0 +1,105 @@
+"""Autograd through the operations of dtorch that are not aten ops: ``redistribute`` (and everything built on it:
+``distribute_tensor`` of a dtorch tensor, ``redistribute_by_dict``, the input/output conversions of the parallel
+styles and layers) is an ``autograd.Function``, so ``loss.backward()`` flows through placement changes as it does
+through upstream DTensor's ``Redistribute``; and :func:`match_grad_placements` keeps parameter gradients in their
+parameter's placements.
+
+Backward of a redistribute ``A -> B`` redistributes the gradient ``B -> A``, except that a ``Partial`` in ``A``
+becomes ``Replicate`` (the gradient of a sum is the same on every term), as upstream does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement import Placement, Replicate, is_partial
+
+__all__ = ["match_grad_placements", "redistribute_with_grad"]
+
+log = logging.getLogger(__name__)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, t: torch.Tensor, mesh: DeviceMesh | None, placements: Sequence[Placement] | None
+    ) -> torch.Tensor:
+        from torch_dtorch.api import redistribute
+        from torch_dtorch.device.kernels import operand_of
+
+        src = operand_of(t)
+        ctx.src_mesh = src.mesh
+        ctx.src_placements = src.placements
+        return redistribute(t, mesh, placements)  # grad mode is off inside forward: the plain redistribute
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        from torch_dtorch.api import redistribute
+
+        if grad is None:
+            return None, None, None
+        if (
+            ctx.src_mesh is None
+        ):  # an unbound (Replicate) input: the gradient is Replicate on the output's mesh
+            return redistribute(grad, None, None), None, None
+        back = [Replicate() if is_partial(p) else p for p in ctx.src_placements]
+        return redistribute(grad, ctx.src_mesh, back), None, None
+
+
+def redistribute_with_grad(
+    t: torch.Tensor, mesh: DeviceMesh | None, placements: Sequence[Placement] | None
+) -> torch.Tensor:
+    """``redistribute`` recorded by autograd (``t`` requires grad and grad mode is on)."""
+    return _Redistribute.apply(t, mesh, placements)
+
+
+def _grad_hook(param: torch.Tensor):  # noqa: ANN202
+    """A tensor hook moving an incoming gradient to ``param``'s placements (Partial reduced)."""
+    import weakref
+
+    ref = weakref.ref(param)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        from torch_dtorch.api import redistribute
+        from torch_dtorch.device.kernels import operand_of
+        from torch_dtorch.device.tensors import is_dtorch
+
+        p = ref()
+        if p is None or not is_dtorch(grad) or not is_dtorch(p):
+            return grad
+        want, have = operand_of(p), operand_of(grad)
+        if want.mesh is None or (
+            have.mesh is not None
+            and have.mesh.root == want.mesh.root
+            and have.root_placements == want.root_placements
+        ):
+            return grad
+        with torch.no_grad():
+            return redistribute(grad, want.mesh, list(want.placements))
+
+    return hook
+
+
+def match_grad_placements(params: Any) -> int:
+    """Make every dtorch parameter in ``params`` (a module, or an iterable of tensors) receive its gradients in its
+    own placements: a ``Partial`` gradient (data or tensor parallel) is reduced (all-reduce, or reduce-scatter for a
+    sharded parameter) and a gradient sharded otherwise is moved, before it is accumulated into ``.grad``.
+    Idempotent; returns how many parameters got the hook. ``parallelize_module`` and ``fully_shard`` call it."""
+    from torch_dtorch.device.tensors import is_dtorch
+
+    tensors = params.parameters() if isinstance(params, torch.nn.Module) else params
+    n = 0
+    for p in tensors:
+        if not isinstance(p, torch.Tensor) or not is_dtorch(p) or not p.requires_grad:
+            continue
+        if getattr(p, "_dtorch_grad_hook", False):
+            continue
+        p.register_hook(_grad_hook(p))
+        p._dtorch_grad_hook = True  # type: ignore[attr-defined]
+        n += 1
+    return n
