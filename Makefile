@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml setup.cfg
 	@touch $@
 
 demo: venv
-	$(VENV)/bin/dtorch demo
+	$(VENV)/bin/dtorch diffuse --model flux --mesh cp=2 --steps 4 --height 64 --width 64 --out demo.png
 
 lint: venv
 	$(VENV)/bin/ruff check .
