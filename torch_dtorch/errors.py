@@ -87,3 +87,8 @@ class RestrideError(DTorchError, NotImplementedError):
 class PipelineParallelError(DTorchError, ValueError):
     """An application's pipeline cannot be parallelized as asked (an unsupported pipeline class, a mesh axis name it
     cannot use, a parallel degree that does not divide the sequence or the attention heads)."""
+
+
+class ModelLayoutError(DTorchError, ValueError):
+    """A model cannot be laid out on the mesh as asked (an axis name the application does not know, attention heads
+    not divisible by the tensor-parallel degree, fewer decoder layers than pipeline stages, ...)."""
