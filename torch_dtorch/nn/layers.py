@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_dtorch.device.autograd import match_grad_placements
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PlacementError
 from torch_dtorch.mesh import DeviceMesh
@@ -150,6 +151,7 @@ class Linear(_TPLayer):
         }[tp_shard_type]
         self.input_layout = input_layout if input_layout is not None else default_in
         self.output_layout = output_layout if output_layout is not None else default_out
+        match_grad_placements(self)  # gradients arrive in the parameters' placements (Partial reduced)
 
     @staticmethod
     def _param_layouts(tp_shard_type: ShardType) -> tuple[Placement, Placement]:
@@ -280,6 +282,7 @@ class Embedding(_TPLayer):
         self.input_layout = _R if tp_shard_type is not None else None
         default_out = {"row": _R, "col": Shard(-1), None: None}[tp_shard_type]
         self.output_layout = output_layout if output_layout is not None else default_out
+        match_grad_placements(self)
 
     @classmethod
     def from_embedding(

@@ -8,11 +8,14 @@ hooks (the module keeps its class, so model code that checks types still works).
 
 Global view: a dtorch tensor always has its global shape, so upstream's ``use_local_output`` has no effect (model
 code that reshapes with ``-1`` sees global sizes and stays correct), and an input's *declared* layout
-(``input_layouts``) only matters for plain torch tensors, which are distributed with it.
+(``input_layouts``) only matters for plain torch tensors. It means what it means upstream: a plain tensor declared
+``Shard(d)`` (or ``Partial``) is each rank's LOCAL shard (upstream's ``DTensor.from_local``: every rank of the
+style's axis holds that tensor, so the global batch is ``n`` x local); declared ``Replicate`` it is the global value.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch_dtorch.api import from_local
+from torch_dtorch.device.autograd import match_grad_placements
+from torch_dtorch.device.tensors import is_dtorch
+from torch_dtorch.errors import PlacementError
 from torch_dtorch.nn._layout import AxisRef, distribute_param, set_axis_placement
 from torch_dtorch.placement import Placement, Replicate, Shard
+
+log = logging.getLogger("torch_dtorch.nn")
 
 __all__ = [
     "ColumnParallel",
@@ -57,11 +66,46 @@ def _place_params(
     for name, p in list(module.named_parameters(recurse=False)):
         full = f"{fqn}.{name}" if fqn else name
         new = distribute_param(p, *axis.layout(layouts.get(name, default)), name=full, state_dict=state_dict)
-        module.register_parameter(name, new if isinstance(new, nn.Parameter) else nn.Parameter(new))
+        param = new if isinstance(new, nn.Parameter) else nn.Parameter(new)
+        module.register_parameter(name, param)
+        match_grad_placements([param])  # gradients arrive in the parameter's placements (Partial reduced)
 
 
 def _what(module: nn.Module, fqn: str, style: Any) -> str:
     return f"{type(style).__name__} on {fqn or '<root>'} ({type(module).__name__})"
+
+
+def _plain_input_as_local(t: Any, axis: AxisRef, declared: Placement | None, what: str) -> Any:
+    """A plain torch tensor whose ``input_layouts`` say ``Shard(d)`` (or ``Partial``) is, as upstream, the LOCAL
+    shard of every rank of the style's axis (upstream's ``DTensor.from_local(x, mesh, input_layouts)`` on each rank
+    of an SPMD program, where every rank passes its own tensor): the global tensor is ``n`` copies along ``d`` (the
+    global batch is ``n`` x local). Other values pass through unchanged (a dtorch tensor is already global; a
+    ``Replicate`` declaration distributes the tensor as it is)."""
+    if (
+        not isinstance(t, torch.Tensor)
+        or is_dtorch(t)
+        or declared is None
+        or isinstance(declared, Replicate)
+        or torch.compiler.is_compiling()
+    ):
+        return t
+    if isinstance(declared, Shard) and not -t.ndim <= declared.dim < t.ndim:
+        raise PlacementError(
+            f"{what}: input_layouts {declared} is out of range for the {t.ndim}-d input of shape {tuple(t.shape)}"
+        )
+    mesh, placements = axis.layout(declared)
+    devices = mesh.root.devices
+    n = axis.size
+    log.info(
+        "%s: plain torch input %s with input_layouts %s is each rank's LOCAL shard, as upstream: the global "
+        "tensor has %d of them (pass a dtorch tensor, e.g. dt.distribute_tensor(x, mesh, ...), to give the "
+        "global value instead)",
+        what,
+        tuple(t.shape),
+        declared,
+        n,
+    )
+    return from_local({d: t.detach() for d in devices}, mesh, placements)
 
 
 def _input_hook(
@@ -70,7 +114,8 @@ def _input_hook(
     def hook(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if not args:
             return None
-        first = set_axis_placement(args[0], axis, desired, what=what, declared=declared)
+        first = _plain_input_as_local(args[0], axis, declared, what)
+        first = set_axis_placement(first, axis, desired, what=what, declared=declared)
         return (first, *args[1:])
 
     return hook
@@ -184,14 +229,15 @@ class PrepareInput(LayerStyle):
             for i, want in enumerate(desired):
                 if i < len(new_args):
                     decl = declared[i] if declared else None
-                    new_args[i] = set_axis_placement(
-                        new_args[i], axis, want, what=f"{what} input {i}", declared=decl
-                    )
+                    x = _plain_input_as_local(new_args[i], axis, decl, f"{what} input {i}")
+                    new_args[i] = set_axis_placement(x, axis, want, what=f"{what} input {i}", declared=decl)
             new_kwargs = dict(kwargs)
             for k, want in kw_desired.items():
                 if k in new_kwargs:
+                    decl = kw_declared.get(k)
+                    x = _plain_input_as_local(new_kwargs[k], axis, decl, f"{what} input {k!r}")
                     new_kwargs[k] = set_axis_placement(
-                        new_kwargs[k], axis, want, what=f"{what} input {k!r}", declared=kw_declared.get(k)
+                        x, axis, want, what=f"{what} input {k!r}", declared=decl
                     )
             return tuple(new_args), new_kwargs
 
