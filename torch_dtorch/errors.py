@@ -92,3 +92,19 @@ class PipelineParallelError(DTorchError, ValueError):
 class ModelLayoutError(DTorchError, ValueError):
     """A model cannot be laid out on the mesh as asked (an axis name the application does not know, attention heads
     not divisible by the tensor-parallel degree, fewer decoder layers than pipeline stages, ...)."""
+
+
+class BackwardNotSupportedError(NoRuleError):
+    """``loss.backward()`` reached an autograd overload (``aten.*_backward``) that has no placement rule yet."""
+
+    def __init__(self, op: object, *, detail: str = "") -> None:
+        NotImplementedError.__init__(
+            self,
+            f"backward through dtorch tensors is not supported for {op} yet (autograd produced it while computing "
+            f"gradients, and dtorch has no placement rule for it).{(' ' + detail) if detail else ''}\n"
+            f"Fix: compute this layer on torch tensors (x.full_tensor(), then dt.distribute_tensor the result), "
+            f"run it under torch.no_grad(), or register a rule with "
+            f"@torch_dtorch.placement_rules.register_rule({op}) (see {DOCS_PLACEMENT_RULES}); docs/training.md "
+            "lists the backward overloads that have one.",
+        )
+        self.op = op

@@ -1,7 +1,8 @@
 """Autograd through the operations of dtorch that are not aten ops: ``redistribute`` (and everything built on it:
 ``distribute_tensor`` of a dtorch tensor, ``redistribute_by_dict``, the input/output conversions of the parallel
 styles and layers) is an ``autograd.Function``, so ``loss.backward()`` flows through placement changes as it does
-through upstream DTensor's ``Redistribute``; and :func:`match_grad_placements` keeps parameter gradients in their
+through upstream DTensor's ``Redistribute``; ``full_tensor()`` of a tensor that requires grad is differentiable too
+(its gradient is distributed back); and :func:`match_grad_placements` keeps parameter gradients in their
 parameter's placements.
 
 Backward of a redistribute ``A -> B`` redistributes the gradient ``B -> A``, except that a ``Partial`` in ``A``
@@ -19,7 +20,7 @@ import torch
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Replicate, is_partial
 
-__all__ = ["match_grad_placements", "redistribute_with_grad"]
+__all__ = ["full_tensor_with_grad", "match_grad_placements", "redistribute_with_grad"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,35 @@ def redistribute_with_grad(
 ) -> torch.Tensor:
     """``redistribute`` recorded by autograd (``t`` requires grad and grad mode is on)."""
     return _Redistribute.apply(t, mesh, placements)
+
+
+class _FullTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from torch_dtorch.api import to_torch
+        from torch_dtorch.device.kernels import operand_of
+
+        src = operand_of(t)
+        ctx.src_mesh = src.mesh
+        ctx.src_placements = src.placements
+        return to_torch(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        from torch_dtorch.api import distribute_tensor
+
+        if grad is None:
+            return None
+        if ctx.src_mesh is None:
+            return grad.to("dtorch")
+        back = [Replicate() if is_partial(p) else p for p in ctx.src_placements]
+        return distribute_tensor(grad, ctx.src_mesh, back)
+
+
+def full_tensor_with_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t.full_tensor()`` recorded by autograd: the gradient (a torch tensor) goes back distributed in ``t``'s
+    placements (``Partial`` as ``Replicate``), as upstream's ``DTensor.full_tensor``."""
+    return _FullTensor.apply(t)
 
 
 def _grad_hook(param: torch.Tensor):  # noqa: ANN202

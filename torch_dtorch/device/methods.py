@@ -52,6 +52,10 @@ def _redistribute(
 
 def _full_tensor(self: torch.Tensor) -> torch.Tensor:
     _need(self, "full_tensor")
+    if self.requires_grad and torch.is_grad_enabled():  # differentiable, as upstream's DTensor.full_tensor
+        from torch_dtorch.device.autograd import full_tensor_with_grad
+
+        return full_tensor_with_grad(self)
     from torch_dtorch.api import to_torch
 
     return to_torch(self)

@@ -312,6 +312,10 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
         active: set[Any] = _OUT_FALLBACK.__dict__.setdefault("ops", set())
         if functional is None or op in active:
             # (re-entered: the functional op is a structured kernel that calls ``op`` itself, e.g. gcd -> gcd.out)
+            if "backward" in op._schema.name:
+                from torch_dtorch.errors import BackwardNotSupportedError
+
+                raise BackwardNotSupportedError(op) from None
             raise NoRuleError(
                 op, detail="(it reached the dtorch device, which has no kernel for it)"
             ) from None
