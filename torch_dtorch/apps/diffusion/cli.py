@@ -102,7 +102,7 @@ def _load(args: argparse.Namespace) -> Any:
 def main(args: argparse.Namespace) -> int:
     """Run the pipeline once and write ``args.out``; prints the time per step."""
     import torch
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
     import torch_dtorch as dt
     from torch_dtorch.apps.diffusion.config import ExecuteConfig

@@ -247,9 +247,22 @@ class _Runner:
         hit = self.cache.get(name)
         if hit is not None and hit[0]() is x and hit[1] == x._version:
             return hit[2]
-        placed = dt.distribute_tensor(x, self.plan.mesh, self.placements(name, x))
+        dense = x
+        if x.stride() != _contiguous_strides(
+            x.shape
+        ):  # e.g. an expanded timestep: the wire wants dense bytes
+            dense = x.clone(memory_format=torch.contiguous_format)
+        placed = dt.distribute_tensor(dense, self.plan.mesh, self.placements(name, x))
         self.cache[name] = (weakref.ref(x), x._version, placed)
         return placed
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _to_host(x: Any) -> Any:
