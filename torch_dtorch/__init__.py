@@ -31,6 +31,7 @@ from torch_dtorch.api import (
     to_torch_async,
     zeros,
 )
+from torch_dtorch.device.autograd import match_grad_placements
 from torch_dtorch.device.registration import register_rule
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.mesh import DeviceMesh
@@ -53,6 +54,7 @@ __all__ = [
     "from_local",
     "full",
     "init_device_mesh",
+    "match_grad_placements",
     "nn",
     "ones",
     "parallelize_module",
