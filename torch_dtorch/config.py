@@ -8,6 +8,7 @@
 | ``DTORCH_VALIDATE_KERNEL_IO`` | ``1``: every worker kernel checks each local output's shape, dtype and device against the inferred metadata and raises ``KernelIOError`` naming the op and the worker | ``0`` |
 | ``DTORCH_NATIVE`` | ``0``: no native (C++) eager fast path and tensor table; the Python ones, ~2x the controller time per op (see ``torch_dtorch/device/native.py``) | ``1`` |
 | ``DTORCH_NATIVE_DIR`` | where the native extension is built (once per source, torch and Python version) | ``~/.cache/torch_dtorch/native`` |
+| ``DTORCH_WORKER_REPLAY`` | ``0``: workers run every fast-path hit on the general local path instead of replaying the op resolved on its first hit (``torch_dtorch/runtime/replay.py``; for A/B measurements) | ``1`` |
 | ``DTORCH_BATCH_SIZE`` | eager executor: instructions per batch sent to the workers (a full batch is flushed at once) | ``64`` |
 | ``DTORCH_FLUSH_MS`` | eager executor: pending instructions are flushed after this many milliseconds without a new op | ``2`` |
 | ``DTORCH_MODE`` | where workers run: ``thread`` (threads of this process) or ``process`` (one process per device, cluster mode); ``init_device_mesh(mode=...)`` overrides it | ``thread`` |
@@ -83,6 +84,8 @@ class Config:
     redistribute: RedistributePolicy = field(default_factory=_env_policy)
     debug: bool = field(default_factory=lambda: _env_flag("DTORCH_DEBUG"))
     validate_kernel_io: bool = field(default_factory=lambda: _env_flag("DTORCH_VALIDATE_KERNEL_IO"))
+    #: workers replay resolved fast-path ops (``DTORCH_WORKER_REPLAY``, default on)
+    worker_replay: bool = field(default_factory=lambda: os.environ.get("DTORCH_WORKER_REPLAY", "1") != "0")
     batch_size: int = field(
         default_factory=lambda: int(_env_number("DTORCH_BATCH_SIZE", 64, minimum=1, integer=True))
     )

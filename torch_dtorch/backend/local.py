@@ -33,7 +33,7 @@ from torch_dtorch.placement_rules import OpRule
 from torch_dtorch.placement_rules.call import LocalContext, map_operands
 from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
 from torch_dtorch.placement_rules.rule import FunctionRule
-from torch_dtorch.placement_rules.simulate import cached_local_shape_and_offset
+from torch_dtorch.placement_rules.simulate import cached_local_shape_and_offset, takes_device
 
 __all__ = [
     "CollectiveStep",
@@ -189,11 +189,6 @@ def _local_meta(x: Operand, device: int) -> LocalMeta | None:
     return shape, x.dtype
 
 
-def _takes_device(op: Any) -> bool:
-    schema = getattr(op, "_schema", None)
-    return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
-
-
 def _has_custom_kernel(rule: OpRule) -> bool:
     if type(rule).kernel is not OpRule.kernel and type(rule).kernel is not FunctionRule.kernel:
         return True
@@ -273,7 +268,7 @@ def build_local_program(
             torch_device is not None
             and torch_device.type != "cpu"
             and kwargs.get("device") is None
-            and _takes_device(call.op)
+            and takes_device(call.op)
         ):
             kwargs = {**kwargs, "device": torch_device}
         custom = _has_custom_kernel(rule)

@@ -25,12 +25,15 @@ from torch_dtorch.executor.messages import (
     Upload,
 )
 from torch_dtorch.runtime.blob import Blob, KernelError
-from torch_dtorch.runtime.kernel import Kernel, PoisonBoard
+from torch_dtorch.runtime.kernel import Kernel, PoisonBoard, kernel_hooks
+from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
 from torch_dtorch.runtime.stream import COMPUTE, KernelStream
 
 __all__ = ["Worker", "register_instruction"]
 
 log = logging.getLogger(__name__)
+
+_UNRESOLVED: Any = object()
 
 #: handlers of instruction types defined outside this module (e.g. the compile backend's program replay):
 #: ``type -> handler(worker, instr)``; filled by :func:`register_instruction` at import
@@ -93,7 +96,11 @@ class Worker:
             board=board,
         )
         self._debug = cfg.debug
+        #: resolved fast-path plans (``None``: the general path); plans live as long as the fast path's cache
+        self._resolved: dict[Any, LocalCall | None] = {}
+        self._replay_on = cfg.worker_replay
         self.executed = 0  # instructions that concerned this device (for tests and stats)
+        self.replayed = 0  # of which fast-path hits replayed through their resolved local call
 
     # --- entry points -------------------------------------------------------------------------------------------
     def run_batch(self, batch: Iterable[Instruction]) -> None:
@@ -113,8 +120,9 @@ class Worker:
             run(node, instr=instr, call_site=self._call_site(instr))
         elif t is FastRun:
             assert isinstance(instr, FastRun)
-            for part in instr.expand():
-                self.execute(part)
+            if not self._replay(instr):
+                for part in instr.expand():
+                    self.execute(part)
         elif t is Free:
             assert isinstance(instr, Free)
             pop = self.blobs.pop
@@ -141,6 +149,39 @@ class Worker:
                 handler(self, instr)
 
     # --- handlers -----------------------------------------------------------------------------------------------
+    def _replay(self, run: FastRun) -> bool:
+        """Run a fast-path hit through its resolved :class:`~torch_dtorch.runtime.replay.LocalCall` (resolved on the
+        first hit of its plan); ``False``: the general path must run it (moved inputs, a rule with its own local
+        kernel, a missing or poisoned input, hooks or validation on)."""
+        plan = run.plan
+        if plan.nmoves or not self._replay_on or self.kernel.validate or kernel_hooks():
+            return False
+        if self.device not in plan.assign.devices:
+            return True
+        local_call = self._resolved.get(plan, _UNRESOLVED)
+        if local_call is _UNRESOLVED:
+            args = run.args if run.args is not None else plan.args_of(run.inputs)
+            local_call = resolve(plan.rule, plan.op, args, plan.kwargs, run.inputs)
+            if local_call is AMBIGUOUS:
+                return False
+            self._resolved[plan] = local_call
+        if local_call is None or not plan.rule.runs_op_as_is:  # (a rule patched at run time: tests, tools)
+            return False
+        blobs = self.blobs
+        ins: list[Blob | None] = []
+        for x in run.inputs:
+            if x is None:
+                ins.append(None)
+                continue
+            b = blobs.get(x.id)
+            if b is None or b.error is not None:
+                return False  # the general path makes (or passes on) the sticky error
+            ins.append(b)
+        self.executed += 1
+        self.replayed += 1
+        self.kernel.run_resolved(local_call, ins, run.outputs, op=plan.op, call_site=run.call_site)
+        return True
+
     def _upload(self, instr: Upload) -> None:
         x = instr.operand
         try:

@@ -150,6 +150,18 @@ class OpRule:
         generate the global tensor and keep the rank's slice, so results equal single-device torch)."""
         return call.op(*args, **kwargs)
 
+    @property
+    def runs_op_as_is(self) -> bool:
+        """The local kernel is the op itself on the shards of the global arguments (default :meth:`localize` and
+        :meth:`kernel`): a worker may resolve such a call once and replay it (``runtime/replay.py``)."""
+        cls, own = type(self), vars(self)
+        return (
+            cls.localize is OpRule.localize
+            and cls.kernel is OpRule.kernel
+            and "kernel" not in own
+            and "localize" not in own
+        )
+
     def assign(self, call: OpCall) -> AssignInfo:
         devices = tuple(call.mesh.devices) if call.mesh is not None else ()
         return AssignInfo(devices, self.stream)
@@ -199,6 +211,13 @@ class FunctionRule(OpRule):
         if self._kernel is not None:
             return self._kernel(call, ctx, args, kwargs)
         return super().kernel(call, ctx, args, kwargs)
+
+    @property
+    def runs_op_as_is(self) -> bool:
+        own = vars(self)
+        return (
+            self._localize is None and self._kernel is None and "kernel" not in own and "localize" not in own
+        )
 
     def cost(self, call: OpCall) -> OperatorCost:
         if self._cost is not None:

@@ -171,7 +171,7 @@ def cached_local_shape_and_offset(
 
 
 @cache
-def _takes_device(op: Any) -> bool:
+def takes_device(op: Any) -> bool:
     schema = getattr(op, "_schema", None)
     return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
 
@@ -239,7 +239,7 @@ def run_rank(
         kwargs = {k: _swap(v, by_operand) for k, v in kwargs.items()} if kwargs else kwargs
     except _Nested:
         args, kwargs = map_operands((args, kwargs), lambda o: by_operand[id(o)])
-    if torch_device is not None and kwargs.get("device") is None and _takes_device(call.op):
+    if torch_device is not None and kwargs.get("device") is None and takes_device(call.op):
         kwargs = {**kwargs, "device": torch_device}
     out = rule.kernel(call, ctx, args, kwargs)
     return list(out) if isinstance(out, (list, tuple)) else [out]

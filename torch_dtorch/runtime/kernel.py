@@ -26,12 +26,14 @@ from typing import Any
 import torch
 
 from torch_dtorch.graph import Operand, Operator
+from torch_dtorch.graph.operator import op_name
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.local import kernel_needs_comm, local_shape, run_local
+from torch_dtorch.runtime.replay import LocalCall
 from torch_dtorch.runtime.stream import COMM, COMPUTE, KernelStream
 
-__all__ = ["Kernel", "KernelIOError", "PoisonBoard", "after_hooks", "before_hooks"]
+__all__ = ["Kernel", "KernelIOError", "PoisonBoard", "after_hooks", "before_hooks", "kernel_hooks"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,12 @@ Hook = Callable[[Any, int], None]
 #: called with ``(instruction, device)`` before / after every operator a kernel runs (or poisons)
 before_hooks: list[Hook] = []
 after_hooks: list[Hook] = []
+
+
+def kernel_hooks() -> bool:
+    """Whether any kernel hook is installed (tests, ``dt.profile``): replayed ops then take the general path, which
+    calls them."""
+    return bool(before_hooks or after_hooks)
 
 
 class KernelIOError(KernelError):
@@ -248,21 +256,63 @@ class Kernel:
                 outs = self._run_local(node, info, local, placements_out, self.torch_device)
         else:
             outs = self._run_local(node, info, local, placements_out, None)
-        if len(outs) != len(node.outputs):
+        self._store(node.name, outs, node.outputs, call_site)
+
+    def _store(
+        self, name: Any, outs: list[torch.Tensor], outputs: Sequence[Operand], call_site: str | None
+    ) -> None:
+        """Check a local kernel's outputs, stamp them on the compute stream and store them as ``outputs``' blobs
+        (``name``: the operator's name, or its op, named only when an error needs it)."""
+        if len(outs) != len(outputs) or self.validate:
+            name = name if isinstance(name, str) else op_name(name)
+        if len(outs) != len(outputs):
             raise KernelIOError(
-                node.name,
+                name,
                 self.device,
-                f"the local kernel returned {len(outs)} tensors, the operator has {len(node.outputs)} outputs",
+                f"the local kernel returned {len(outs)} tensors, the operator has {len(outputs)} outputs",
                 call_site=call_site,
             )
         if self.validate:
-            for i, (t, o) in enumerate(zip(outs, node.outputs)):
-                self.check_output(node.name, i, t, o, call_site)
+            for i, (t, o) in enumerate(zip(outs, outputs)):
+                self.check_output(name, i, t, o, call_site)
         new = [Blob(t) for t in outs]
-        if stream is not None:
-            stream.stamp(new, COMPUTE)
-        for o, b in zip(node.outputs, new):
+        if self.stream is not None:
+            self.stream.stamp(new, COMPUTE)
+        for o, b in zip(outputs, new):
             self.blobs[o.id] = b
+
+    def run_resolved(
+        self,
+        local_call: LocalCall,
+        ins: list[Blob | None],
+        outputs: Sequence[Operand],
+        *,
+        op: Any,
+        call_site: str | None = None,
+    ) -> None:
+        """Replay a resolved fast-path op (``runtime/replay.py``) on its input blobs (present, not poisoned):
+        the same outputs, stream rules and sticky errors as :meth:`run_op`, without its per-call objects."""
+        local = [b.tensor if b is not None else None for b in ins]
+        stream = self.stream
+        try:
+            if stream is not None and stream.is_cuda:
+                stream.wait_for(ins, COMPUTE)
+                with stream.use(COMPUTE):
+                    outs = local_call.run(local)
+            else:
+                outs = local_call.run(local)
+            self._store(op, outs, outputs, call_site)
+        except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
+            err = (
+                e
+                if isinstance(e, KernelError)
+                else KernelError(op_name(op), self.device, e, call_site=call_site)
+            )
+            if err is not e:
+                err.__cause__ = e
+            poisoned = Blob(error=err)
+            for o in outputs:
+                self.blobs[o.id] = poisoned
 
     def run_redistribute(self, node: Operator, *, instr: Any = None, call_site: str | None = None) -> None:
         """Run this rank's part of a redistribute (``node.payload`` is the ``RedistributePlan``)."""

@@ -1,0 +1,111 @@
+"""Workers replay fast-path hits through the local call resolved on the first hit (runtime/replay.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import torch_dtorch as dt
+from tests.cluster.stream_stress import run_interleaved_program
+from torch_dtorch import Replicate, Shard
+from torch_dtorch.config import get_config
+from torch_dtorch.device.state import get_runtime
+from torch_dtorch.graph import Operand
+from torch_dtorch.placement_rules import get_rule
+from torch_dtorch.runtime.blob import KernelError
+from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
+
+aten = torch.ops.aten
+
+
+def _operand(i: int) -> Operand:
+    return Operand(i, (4, 4), torch.float32, None, None, None, None, [], None, None, False, None, None)
+
+
+def test_resolve_a_pointwise_op() -> None:
+    a, b = _operand(1), _operand(2)
+    call = resolve(get_rule(aten.add.Tensor), aten.add.Tensor, (a, b), {"alpha": 2}, [a, b])
+    assert call is not None and call is not AMBIGUOUS
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(call.run([x, y])[0], x + 2 * y)
+    # the same plan on swapped operands: positions come from the slots, not from the first call's tensors
+    torch.testing.assert_close(call.run([y, x])[0], y + 2 * x)
+
+
+def test_one_operand_in_two_slots_is_not_cached() -> None:
+    a = _operand(1)
+    assert resolve(get_rule(aten.add.Tensor), aten.add.Tensor, (a, a), {}, [a, a]) is AMBIGUOUS
+
+
+def test_rules_with_their_own_local_kernel_are_not_resolved() -> None:
+    a = _operand(1)
+    rule = get_rule(aten.view.default)  # its localize names the local sizes
+    assert not rule.runs_op_as_is
+    assert resolve(rule, aten.view.default, (a, [16]), {}, [a]) is None
+
+
+@pytest.fixture
+def mesh() -> Iterator[dt.DeviceMesh]:
+    dt.shutdown()
+    yield dt.init_device_mesh("cpu", (2,))
+    dt.shutdown()
+
+
+def _replayed() -> int:
+    return sum(w.replayed for w in get_runtime().executor.runner.workers.values())
+
+
+def test_hits_are_replayed_and_equal_torch(mesh: dt.DeviceMesh) -> None:
+    xs = [torch.randn(6, 5) for _ in range(3)]
+    a, b, c = (dt.distribute_tensor(x, mesh, [Shard(0)]) for x in xs)
+    out = a + a  # one operand in both slots first: that call alone is not resolved
+    for _ in range(4):
+        out = out + b  # same plan as ``a + a``, other operands
+        out = torch.mul(out, c) * 0.5
+    dt.sync()
+    assert _replayed() > 0
+    ref = xs[0] + xs[0]
+    for _ in range(4):
+        ref = torch.mul(ref + xs[1], xs[2]) * 0.5
+    torch.testing.assert_close(out.full_tensor(), ref)
+
+
+def test_a_failing_replay_poisons_its_outputs_only(
+    mesh: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = dt.distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    for _ in range(3):
+        ok = a * 3.0
+    dt.sync()
+    before = _replayed()
+    run = LocalCall.run
+
+    def failing(self: LocalCall, local: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        if self.op is aten.mul.Tensor:
+            raise RuntimeError("injected failure")
+        return run(self, local)
+
+    monkeypatch.setattr(LocalCall, "run", failing)
+    bad = a * 3.0
+    fine = a + 1.0
+    with pytest.raises(KernelError, match=r"(?s)aten\.mul.*injected failure"):
+        bad.full_tensor()
+    assert _replayed() > before
+    monkeypatch.undo()
+    torch.testing.assert_close(fine.full_tensor(), a.full_tensor() + 1.0)
+    torch.testing.assert_close(ok.full_tensor(), a.full_tensor() * 3.0)
+
+
+def test_the_interleaved_program_with_and_without_replay(mesh: dt.DeviceMesh) -> None:
+    run_interleaved_program(mesh, seed=5, steps=300, rows=8, cols=6)
+    assert _replayed() > 50
+    get_config().worker_replay = False
+    try:
+        dt.shutdown()
+        off = dt.init_device_mesh("cpu", (2,))
+        run_interleaved_program(off, seed=5, steps=300, rows=8, cols=6)
+        assert _replayed() == 0
+    finally:
+        get_config().worker_replay = True

@@ -1,0 +1,84 @@
+"""A fast-path op resolved once on a worker, replayed cheaply on every later hit (issue 20, item 1, Python path).
+
+The eager fast path sends the same :class:`~torch_dtorch.executor.fast.FastPlan` for every call of one op on one
+input layout. When the plan's rule runs the op as it is on the shards (default ``localize`` and ``kernel``: pointwise
+ops, matmuls, most reductions), nothing of the general local path depends on the call beyond which blobs go into which
+argument positions: :func:`resolve` records that once as a :class:`LocalCall` — the op handle, the argument template,
+the positions of the tensor slots — and :meth:`LocalCall.run` replays it on the worker's blobs: no ``Operator``, no
+``LocalContext``, no localize, no argument walk.
+
+A call that cannot be resolved (custom kernels, arguments that name sizes, nested tensor lists, kernels that
+communicate, factories that take a ``device``) is ``None``: the worker runs it on the general path, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from torch_dtorch.graph import Operand
+from torch_dtorch.placement_rules.simulate import takes_device
+
+__all__ = ["AMBIGUOUS", "LocalCall", "resolve"]
+
+#: :func:`resolve` could not tell this call's argument positions from its slots; another call of the plan may
+AMBIGUOUS: Any = object()
+
+
+class LocalCall(NamedTuple):
+    """One resolved local op: ``op(*args, **kwargs)`` with ``args[pos] = shard of input slot k`` for every
+    ``(pos, k)`` in ``tensor_slots``."""
+
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    tensor_slots: tuple[tuple[int, int], ...]
+
+    def run(self, local: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The local outputs on ``local`` (this rank's shard of every input slot)."""
+        args = list(self.args)
+        for pos, k in self.tensor_slots:
+            args[pos] = local[k]
+        out = self.op(*args, **self.kwargs)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def resolve(
+    rule: Any, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[Operand | None]
+) -> LocalCall | None:
+    """The :class:`LocalCall` of ``op(*args, **kwargs)`` (global arguments, operands in place) under ``rule``;
+    ``None`` when the general local path is needed for every call of this op and layout, :data:`AMBIGUOUS` when
+    this call alone cannot be resolved."""
+    if not getattr(rule, "runs_op_as_is", False) or takes_device(op):
+        return None
+    for v in kwargs.values():
+        if type(v) is Operand or type(v) in (list, tuple, dict):
+            return None
+    slot_of = {id(x): k for k, x in enumerate(inputs) if x is not None}
+    if len(slot_of) != sum(x is not None for x in inputs):
+        return (
+            AMBIGUOUS  # one operand in two slots (``x + x``): which slot an argument is cannot be told apart
+        )
+    slots: list[tuple[int, int]] = []
+    template: list[Any] = []
+    for pos, a in enumerate(args):
+        t = type(a)
+        if t is Operand:
+            k = slot_of.get(id(a))
+            if k is None:
+                return None
+            slots.append((pos, k))
+            template.append(None)
+        elif t in (list, tuple, dict):
+            if any(
+                type(v) is Operand or type(v) in (list, tuple, dict) for v in (a.values() if t is dict else a)
+            ):
+                return None
+            template.append(a)
+        else:
+            template.append(a)
+    if len(slots) != sum(x is not None for x in inputs):
+        return None  # an input the arguments do not name directly
+    return LocalCall(op, tuple(template), dict(kwargs), tuple(slots))
