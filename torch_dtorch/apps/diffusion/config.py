@@ -26,12 +26,24 @@ class ExecuteConfig:
             ``"ring"`` (sequence stays sharded, key/value blocks rotate); ``"both"`` uses two axes named
             ``"ulysses"`` and ``"ring"``. Axes already named ``"ulysses"`` / ``"ring"`` say their mode themselves.
         compile: run the transformer through ``torch.compile(backend="dtorch")`` (one local program per worker).
+        worker_compiler: how each worker runs its compiled local program (the ``dtorch`` backend option):
+            ``"inductor"``, ``"eager"``, or ``"auto"`` — inductor on CUDA meshes, eager on CPU meshes.
+        cudagraphs: CUDA workers capture their inductor-compiled segments in CUDA graphs.
         vae_tiling: decode the latents tile by tile (``AutoencoderKL.enable_tiling``): less memory at large sizes.
     """
 
     cp_mode: CpMode = "ulysses"
     compile: bool = False
+    worker_compiler: Literal["auto", "eager", "inductor"] = "auto"
+    cudagraphs: bool = False
     vae_tiling: bool = False
+
+    def compile_options(self, device_type: str) -> dict[str, str | int | bool]:
+        """The ``options`` of ``torch.compile(backend="dtorch")`` for a mesh of ``device_type``."""
+        wc = self.worker_compiler
+        if wc == "auto":
+            wc = "inductor" if device_type == "cuda" else "eager"
+        return {"worker_compiler": wc, "cudagraphs": self.cudagraphs}
 
     def __post_init__(self) -> None:
         if self.cp_mode not in CP_MODES:

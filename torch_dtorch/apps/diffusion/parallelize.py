@@ -369,7 +369,8 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
         patch_size=int(getattr(transformer.config, "patch_size", 1)),
     )
     if config.compile:
-        runner.compiled = torch.compile(runner.base_forward, backend="dtorch")
+        options = config.compile_options(mesh.device_type)
+        runner.compiled = torch.compile(runner.base_forward, backend="dtorch", options=options)
     transformer._dtorch_runner = runner
     transformer.__class__ = _mesh_class(base)
     log.info(
