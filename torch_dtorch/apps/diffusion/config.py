@@ -7,7 +7,8 @@ The cache (FirstBlockCache, TeaCache), quantization (fp8 / int8 weight-only) and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from torch_dtorch.errors import PipelineParallelError
 
@@ -38,7 +39,7 @@ class ExecuteConfig:
     cudagraphs: bool = False
     vae_tiling: bool = False
 
-    def compile_options(self, device_type: str) -> dict[str, str | int | bool]:
+    def compile_options(self, device_type: str) -> dict[str, str | int | bool | Callable[..., Any]]:
         """The ``options`` of ``torch.compile(backend="dtorch")`` for a mesh of ``device_type``."""
         wc = self.worker_compiler
         if wc == "auto":
