@@ -6,8 +6,8 @@ The cache (FirstBlockCache, TeaCache), quantization (fp8 / int8 weight-only) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch_dtorch.errors import PipelineParallelError
