@@ -36,6 +36,7 @@ from torch_dtorch.device.registration import register_rule
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.nn import parallelize_module
+from torch_dtorch.nn.fsdp import fully_shard
 from torch_dtorch.tools import TensorChecker, profile
 
 __version__ = "0.1.0"
@@ -53,6 +54,7 @@ __all__ = [
     "empty",
     "from_local",
     "full",
+    "fully_shard",
     "init_device_mesh",
     "match_grad_placements",
     "nn",

@@ -1,0 +1,83 @@
+"""``dt.fully_shard``: parameters, gradients and optimizer state Shard(0) on the dp axis; training steps equal
+single-device torch, alone and composed with tensor parallelism (the upstream "FSDP + TP" layout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import torch_dtorch as dt
+from tests.training.conftest import init_mesh
+from tests.training.models import MLP, TinyLM, assert_grads_close, assert_params_close, twin
+from torch_dtorch import Replicate, Shard
+from torch_dtorch.errors import MeshError
+
+
+def _lm_step(
+    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, opt: torch.optim.Optimizer
+) -> None:
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
+    opt.step()
+
+
+def test_fully_shard_mlp_on_dp() -> None:
+    torch.manual_seed(0)
+    ref = MLP()
+    mesh = init_mesh((3,), mesh_dim_names=("dp",))
+    model = dt.fully_shard(twin(ref), mesh)
+    assert all(p.placements == (Shard(0),) for p in model.parameters())
+    x = torch.randn(7, 6)
+    y = model(dt.distribute_tensor(x, mesh, [Shard(0)]))
+    assert all(p.placements == (Shard(0),) for p in model.parameters()), (
+        "sharded parameters restored after forward"
+    )
+    y.pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    assert_grads_close(model.named_parameters(), ref.named_parameters())
+    with torch.no_grad():  # eval: gathered parameters are dropped after the forward
+        torch.testing.assert_close(model(dt.distribute_tensor(x, mesh, [Shard(0)])).full_tensor(), ref(x))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fsdp_tp_training_steps(tied: bool) -> None:
+    """parallelize_module on mesh['tp'], fully_shard per block then the root on mesh['dp'], AdamW: 3 steps equal."""
+    torch.manual_seed(0)
+    ref = TinyLM()
+    if tied:
+        ref.head.weight = ref.embed.weight
+    model = twin(ref)
+    mesh = init_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    dt.parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for block in (model.up, model.down):
+        dt.fully_shard(block, mesh["dp"])
+    dt.fully_shard(model, mesh["dp"])
+    assert model.up.weight.placements == (Shard(0), Shard(0))
+    assert model.down.weight.placements == (Shard(0), Shard(1))
+    assert model.norm.weight.placements == (Shard(0), Replicate())
+    assert (model.head.weight is model.embed.weight) == tied
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, foreach=True)
+    batch = [Shard(0), Replicate()]
+    for step in range(3):
+        ids, targets = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
+        _lm_step(
+            model, dt.distribute_tensor(ids, mesh, batch), dt.distribute_tensor(targets, mesh, batch), opt
+        )
+        _lm_step(ref, ids, targets, ref_opt)
+        if step == 0:
+            assert_grads_close(model.named_parameters(), ref.named_parameters())
+    assert_params_close(model, ref)
+    state = opt.state[model.up.weight]
+    assert state["exp_avg"].placements == (Shard(0), Shard(0))
+
+
+def test_fully_shard_errors() -> None:
+    mesh = init_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(MeshError, match="1-d mesh"):
+        dt.fully_shard(MLP(), mesh)
+    model = dt.fully_shard(MLP(), mesh["dp"])
+    with pytest.raises(MeshError, match="already fully sharded"):
+        dt.fully_shard(model, mesh["dp"])
