@@ -117,8 +117,8 @@ def _owner_fn(
             idx = fqn[len(prefix) :].split(".", 1)[0]
             if idx.isdigit():
                 return layer_stage[int(idx)]
-        for name in last_stage:
-            if fqn == name or fqn.startswith(f"{name}."):
+        for name in last_stage:  # a full path, or a unit's own name ("norm" is "model.norm")
+            if fqn == name or fqn.startswith(f"{name}.") or fqn.rsplit(".", 1)[-1] == name:
                 return last
         return 0
 
@@ -144,8 +144,9 @@ def pipeline_parallel(
         mesh: the root mesh with a pipeline axis ``pp_dim``.
         layers: path of the ``nn.ModuleList`` of repeated layers, assigned with :func:`assign_layers_to_stages`
             (or ``assignment``, one stage index per layer).
-        last_stage: top-level modules that run after the layers (final norm, head); every other module not under
-            ``layers`` belongs to stage 0 (embeddings, rotary tables).
+        last_stage: modules beside the layer list that run after the layers (final norm, head), by path or by
+            name (``"norm"`` is ``model.norm`` when ``layers="model.layers"``); every other module beside the layer
+            list belongs to stage 0 (embeddings, rotary tables).
         plan: a TP plan (``parallelize_module`` keys and styles) applied inside every stage on axis ``tp_dim`` of
             the stage mesh.
     """
@@ -165,10 +166,7 @@ def pipeline_parallel(
             f"({num_layers} layers)"
         )
     owner = _owner_fn(layers, layer_stage, len(stages) - 1, last_stage)
-    # the units a stage runs: each layer, and the top-level modules outside the layer list
-    units: list[tuple[str, nn.Module]] = [(f"{layers}.{i}", m) for i, m in enumerate(layer_list)]
-    top = layers.split(".", 1)[0]
-    units += [(name, m) for name, m in model.named_children() if name != top]
+    units, containers = _units(model, layers, layer_list)
     owners = {name: owner(name) for name, _ in units}
     result = PipelineStages(stages, layer_stage, owners)
     for s, smesh in enumerate(stages):
@@ -189,11 +187,31 @@ def pipeline_parallel(
                 return result.move(args, s), result.move(kwargs, s)
 
             m.register_forward_pre_hook(hook, with_kwargs=True)
-    # parameters of the model itself (outside every unit) go to stage 0
-    replicate_module_own(model, stages[0], state_dict)
+    # parameters of the model itself and of the modules holding the layer list (outside every unit): stage 0
+    for prefix, container in containers:
+        replicate_module_own(
+            container, stages[0], _sub_state_dict(state_dict, prefix) if prefix else state_dict
+        )
     model.register_forward_pre_hook(lambda mod, args: result.clear())
     log.info("pipeline_parallel: %d layers on %d stages %s", num_layers, len(stages), layer_stage)
     return result
+
+
+def _units(
+    model: nn.Module, layers: str, layer_list: nn.ModuleList | nn.Sequential
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """The units a stage runs — each layer, and every module beside the layer list on its path (``layers=
+    "model.layers"``: ``model.embed_tokens``, ``model.norm``, ``model.rotary_emb``, ``lm_head``) — and the modules
+    on that path that hold them (``""``: the model, ``"model"``), each as (fqn, module)."""
+    units: list[tuple[str, nn.Module]] = [(f"{layers}.{i}", m) for i, m in enumerate(layer_list)]
+    containers: list[tuple[str, nn.Module]] = []
+    parent, prefix = model, ""
+    for atom in layers.split("."):
+        containers.append((prefix.rstrip("."), parent))
+        units += [(f"{prefix}{name}", m) for name, m in parent.named_children() if name != atom]
+        prefix = f"{prefix}{atom}."
+        parent = parent.get_submodule(atom)
+    return units, containers
 
 
 def replicate_module_own(
