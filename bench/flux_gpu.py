@@ -1,0 +1,243 @@
+"""The whole denoising loop of a FLUX.1-dev-sized (or SD3-medium-sized) pipeline: diffusers vs dtorch, one GPU.
+
+The transformer has the public configuration (FLUX.1-dev: 19 double + 38 single blocks, 24 heads x 128; SD3-medium:
+24 joint blocks, 24 heads x 64) with **random** weights created directly on the device in ``--dtype`` (nothing is
+downloaded); the VAE has the real configuration, random too. The text encoders are left out: the pipeline gets
+random ``prompt_embeds`` (512 T5 tokens), as diffusers allows, so the time is the denoising loop — scheduler,
+latent handling and the transformer, every step — for ``--steps`` steps at ``--size``² (``output_type="latent"``).
+SD3 runs classifier-free guidance (batch 2 per step).
+
+Modes (each a fresh pipeline, one after the other, so only one set of weights is alive):
+
+- ``diffusers``: the pipeline as is (eager);
+- ``inductor``: ``pipe.transformer = torch.compile(pipe.transformer)``;
+- ``dtorch``: ``parallelize_pipeline`` on a 1-device mesh, eager;
+- ``dtorch-compiled``: the same with ``ExecuteConfig(compile=True)`` (workers compile with inductor);
+- ``ulysses4``: a simulated 4-device mesh on the one GPU (``simulate=True``; axis ``cp``, Ulysses), compiled. The
+  four ranks share one GPU, so this measures the overheads of a 4-way run (all-to-alls, four programs), not a
+  speed-up; it holds four copies of the weights.
+
+Each mode runs ``--warmup`` untimed calls (compilation happens there) and ``--repeat`` timed calls; the table shows
+the median loop time, the time per step, and the ratio to ``inductor`` (target: ``dtorch-compiled`` <= 1.02).
+
+    python bench/flux_gpu.py                           # FLUX.1-dev size, 1024x1024, 28 steps, every mode
+    python bench/flux_gpu.py --model sd3               # SD3-medium size
+    python bench/flux_gpu.py --modes inductor dtorch-compiled --layers 4 8
+    python bench/flux_gpu.py --tiny                    # tiny widths on the CPU: checks that every path runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("bench.flux_gpu")
+
+#: black-forest-labs/FLUX.1-dev transformer/config.json
+FLUX_DEV: dict[str, Any] = {
+    "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}  # fmt: skip
+#: stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json
+SD3_MEDIUM: dict[str, Any] = {
+    "sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24, "attention_head_dim": 64,
+    "num_attention_heads": 24, "joint_attention_dim": 4096, "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048, "out_channels": 16, "pos_embed_max_size": 192,
+}  # fmt: skip
+#: the FLUX / SD3 VAE (16 latent channels, 8x downscale)
+VAE: dict[str, Any] = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": (128, 256, 512, 512),
+    "down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "layers_per_block": 2, "norm_num_groups": 32,
+}  # fmt: skip
+#: CPU check: the same structure at toy widths
+TINY = {
+    "flux": {**FLUX_DEV, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+             "num_attention_heads": 4, "joint_attention_dim": 32, "pooled_projection_dim": 16,
+             "axes_dims_rope": (4, 6, 6)},
+    "sd3": {**SD3_MEDIUM, "sample_size": 16, "in_channels": 4, "num_layers": 1, "attention_head_dim": 8,
+            "num_attention_heads": 4, "joint_attention_dim": 32, "caption_projection_dim": 32,
+            "pooled_projection_dim": 16, "out_channels": 4, "pos_embed_max_size": 32},
+}  # fmt: skip
+TINY_VAE = {**VAE, "latent_channels": 4, "block_out_channels": (8, 8), "down_block_types": VAE["down_block_types"][:2],
+            "up_block_types": VAE["up_block_types"][:2], "layers_per_block": 1, "norm_num_groups": 8}  # fmt: skip
+MODES = ("diffusers", "inductor", "dtorch", "dtorch-compiled", "ulysses4")
+
+
+def _build(cls: Any, config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+    """``cls(**config)`` with random weights created in ``dtype`` directly on ``device``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            module = cls(**config)
+    finally:
+        torch.set_default_dtype(previous)
+    return module.eval().requires_grad_(False)
+
+
+def build_pipeline(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
+    import diffusers
+
+    torch.manual_seed(0)
+    flux = args.model == "flux"
+    config = dict(TINY[args.model] if args.tiny else (FLUX_DEV if flux else SD3_MEDIUM))
+    if args.layers:
+        config["num_layers"] = args.layers[0]
+        if flux:
+            config["num_single_layers"] = args.layers[1]
+    cls = diffusers.FluxTransformer2DModel if flux else diffusers.SD3Transformer2DModel
+    transformer = _build(cls, config, device, dtype)
+    vae_config = {
+        **(TINY_VAE if args.tiny else VAE),
+        "use_quant_conv": not flux,
+        "use_post_quant_conv": not flux,
+    }
+    vae = _build(diffusers.AutoencoderKL, vae_config, device, dtype)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        shift=3.0 if not flux else 1.0, use_dynamic_shifting=flux, base_shift=0.5, max_shift=1.15
+    )
+    none = {"text_encoder": None, "tokenizer": None, "text_encoder_2": None, "tokenizer_2": None}
+    if flux:
+        return diffusers.FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, **none)
+    none |= {"text_encoder_3": None, "tokenizer_3": None}
+    return diffusers.StableDiffusion3Pipeline(scheduler=scheduler, vae=vae, transformer=transformer, **none)
+
+
+def call_kwargs(
+    pipe: Any, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Random prompt embeddings in place of the text encoders, and the loop's settings."""
+    g = torch.Generator().manual_seed(1)
+    cfg = pipe.transformer.config
+    text = args.text_tokens
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    kw: dict[str, Any] = {
+        "prompt_embeds": randn(1, text, cfg.joint_attention_dim),
+        "pooled_prompt_embeds": randn(1, cfg.pooled_projection_dim),
+        "num_inference_steps": args.steps,
+        "height": args.size,
+        "width": args.size,
+        "output_type": "latent",
+    }
+    if args.model == "sd3":
+        kw["negative_prompt_embeds"] = randn(1, text, cfg.joint_attention_dim)
+        kw["negative_pooled_prompt_embeds"] = randn(1, cfg.pooled_projection_dim)
+        kw["guidance_scale"] = 7.0
+    else:
+        kw["guidance_scale"] = 3.5
+    return kw
+
+
+def prepare(mode: str, pipe: Any, args: argparse.Namespace) -> Any:
+    if mode == "diffusers":
+        return pipe
+    if mode == "inductor":
+        pipe.transformer = torch.compile(pipe.transformer)
+        return pipe
+    import torch_dtorch as dt
+    from torch_dtorch.apps.diffusion import ExecuteConfig, parallelize_pipeline
+
+    n = 4 if mode == "ulysses4" else 1
+    simulate = args.device == "cuda" and n > 1
+    mesh = dt.init_device_mesh(args.device, (n,), mesh_dim_names=("cp",), simulate=simulate)
+    compiled = mode in ("dtorch-compiled", "ulysses4")
+    return parallelize_pipeline(pipe, mesh, ExecuteConfig(cp_mode="ulysses", compile=compiled))
+
+
+def time_mode(
+    mode: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[list[float], torch.Tensor]:
+    pipe = build_pipeline(args, device, dtype)
+    kw = call_kwargs(pipe, args, device, dtype)
+    pipe = prepare(mode, pipe, args)
+    pipe.set_progress_bar_config(disable=True)
+    sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = None
+    for i in range(args.warmup):
+        t0 = time.perf_counter()
+        out = pipe(**kw, generator=torch.Generator().manual_seed(0)).images
+        sync()
+        log.info("%s: warm-up call %d: %.2f s", mode, i, time.perf_counter() - t0)
+    times = []
+    for _ in range(args.repeat):
+        sync()
+        t0 = time.perf_counter()
+        out = pipe(**kw, generator=torch.Generator().manual_seed(0)).images
+        sync()
+        times.append(time.perf_counter() - t0)
+    assert out is not None
+    result = out.float().cpu()
+    del pipe, kw, out
+    if mode not in ("diffusers", "inductor"):
+        import torch_dtorch as dt
+
+        dt.shutdown()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times, result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", choices=("flux", "sd3"), default="flux")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--tiny", action="store_true", help="toy widths, 1 block, 64x64, 4 steps, on the CPU")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default cuda (cpu with --tiny)"
+    )
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    parser.add_argument("--layers", type=int, nargs=2, metavar=("DOUBLE", "SINGLE"), help="block counts")
+    parser.add_argument("--size", type=int, default=None, help="image side in pixels (default 1024; 64 tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default 28; 4 tiny)")
+    parser.add_argument("--text-tokens", type=int, default=None, help="prompt tokens (default 512; 16 tiny)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per mode (compilation)")
+    parser.add_argument("--repeat", type=int, default=2, help="timed calls per mode")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    args.size = args.size or (64 if args.tiny else 1024)
+    args.steps = args.steps or (4 if args.tiny else 28)
+    args.text_tokens = args.text_tokens or (16 if args.tiny else 512)
+    dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(
+            "flux_gpu: no CUDA device (torch.cuda.is_available() is False); use --tiny for the CPU check"
+        )
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+
+    results: dict[str, tuple[list[float], torch.Tensor]] = {}
+    for mode in args.modes:
+        results[mode] = time_mode(mode, args, device, dtype)
+    base_mode = "inductor" if "inductor" in results else next(iter(results))
+    base = statistics.median(results[base_mode][0])
+    ref = results[base_mode][1]
+    print(
+        f"\n{args.model} ({'tiny' if args.tiny else 'full size'}), {args.size}x{args.size}, {args.steps} steps, "
+        f"{str(dtype).removeprefix('torch.')}, {args.device}; median of {args.repeat} timed calls"
+    )
+    print(f"{'mode':<16} {'loop s':>9} {'ms/step':>9} {'vs ' + base_mode:>13} {'max |latent diff|':>18}")
+    for mode, (times, out) in results.items():
+        t = statistics.median(times)
+        diff = float((out - ref).abs().max())
+        print(f"{mode:<16} {t:>9.3f} {t / args.steps * 1e3:>9.1f} {t / base:>13.3f} {diff:>18.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
