@@ -66,7 +66,7 @@ def _sharded_placements(p: torch.Tensor, axis: AxisRef) -> tuple[DeviceMesh, lis
                 f"fully_shard: a parameter of shape {tuple(p.shape)} lives on {op.mesh!r}, not on the mesh of the "
                 f"dp axis {axis!r}; parallelize the model on one mesh (e.g. mesh['tp'] and mesh['dp'] of one root)"
             )
-        current = list(op.root_placements) if op.mesh is not None else [_R] * root.ndim
+        current: list[Placement] = list(op.root_placements) if op.mesh is not None else [_R] * root.ndim
     else:
         current = [_R] * root.ndim
     if type(current[axis.root_axis]) is not Replicate:
@@ -87,7 +87,6 @@ def _gathered_placements(p: torch.Tensor, axis: AxisRef) -> list[Placement]:
 def _managed(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Parameters of ``module``'s subtree that no inner ``fully_shard`` manages (each object once)."""
     out: list[tuple[nn.Module, str, nn.Parameter]] = []
-    seen: set[int] = set()
 
     def visit(m: nn.Module) -> None:
         if m is not module and getattr(m, "_dtorch_fsdp", None) is not None:
@@ -96,7 +95,6 @@ def _managed(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
             if p is None or getattr(p, "_dtorch_fsdp_owner", None) is not None:
                 continue
             out.append((m, name, p))
-            seen.add(id(p))
         for child in m.children():
             visit(child)
 
@@ -130,7 +128,7 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: b
         owner.register_parameter(name, new)
         state.slots.append((owner, name))
     match_grad_placements(list(done.values()))
-    module._dtorch_fsdp = state  # type: ignore[attr-defined]
+    module._dtorch_fsdp = state  # type: ignore[assignment]
     module.register_forward_pre_hook(_gather_hook(state))
     module.register_forward_hook(_restore_hook(state), always_call=True)
     return module
