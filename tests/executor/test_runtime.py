@@ -75,6 +75,7 @@ def test_kernel_stream_sets_no_default_device(monkeypatch: pytest.MonkeyPatch) -
     if not torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
         monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     seen: dict[str, tuple[bool, list[str], str]] = {}
     for device in ("cpu", "cuda:0"):
         s = KernelStream(device, name="test-stream")

@@ -37,8 +37,11 @@ FOREIGN = "foreign"
 
 
 class FakeEvent:
-    def __init__(self, kind: str) -> None:
+    """An event recorded on stream ``kind`` after its ``seq`` first writes (streams run in order)."""
+
+    def __init__(self, kind: str, seq: int) -> None:
         self.kind = kind
+        self.seq = seq
 
     def synchronize(self) -> None:
         pass
@@ -52,9 +55,27 @@ class Ledger:
         self.lock = threading.Lock()
         self.home: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.recorded: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-        self.waited: set[tuple[int, str]] = set()
+        self.writes: dict[str, int] = {}  # per stream: how many writes were stamped on it
+        self.written: dict[int, tuple[Blob, str, int]] = {}  # id(blob) -> (blob, stream, its write's number)
+        self.ordered: dict[
+            tuple[str, str], int
+        ] = {}  # (reader, writer) -> writes of writer the reader follows
         self.violations: list[str] = []
         self.checked = 0
+
+    def stamped(self, b: Blob, kind: str) -> None:
+        with self.lock:
+            n = self.writes[kind] = self.writes.get(kind, 0) + 1
+            self.written[id(b)] = (b, kind, n)
+
+    def event(self, kind: str) -> FakeEvent:
+        with self.lock:
+            return FakeEvent(kind, self.writes.get(kind, 0))
+
+    def wait(self, reader: str, event: FakeEvent) -> None:
+        with self.lock:
+            key = (reader, event.kind)
+            self.ordered[key] = max(self.ordered.get(key, 0), event.seq)
 
     def allocated(self, t: torch.Tensor, where: str) -> None:
         with self.lock:
@@ -82,8 +103,10 @@ class Ledger:
                 self.violations.append(
                     f"{kind} reads {b!r}, allocated on {home}, without record_stream({kind})"
                 )
-            if b.stream != kind and (id(b.event), kind) not in self.waited:
-                self.violations.append(f"{kind} reads {b!r}, written on {b.stream}, without waiting for it")
+            if b.stream != kind:
+                _, writer, n = self.written.get(id(b), (b, b.stream, 1 << 60))
+                if self.ordered.get((kind, writer), 0) < n:
+                    self.violations.append(f"{kind} reads {b!r}, written on {writer}, without waiting for it")
 
 
 class FakeStreams(KernelStream):
@@ -101,11 +124,10 @@ class FakeStreams(KernelStream):
         yield
 
     def _event(self, kind: str) -> Any:
-        return FakeEvent(kind)
+        return self.ledger.event(kind)
 
     def _wait_event(self, kind: str, event: Any) -> None:
-        with self.ledger.lock:
-            self.ledger.waited.add((id(event), kind))
+        self.ledger.wait(kind, event)
 
     def _record_stream(self, tensor: torch.Tensor, kind: str) -> None:
         self.ledger.record(tensor, kind)
@@ -114,6 +136,7 @@ class FakeStreams(KernelStream):
         blobs = list(blobs)
         super().stamp(blobs, kind)
         for b in blobs:
+            self.ledger.stamped(b, kind)
             if b.tensor is not None:
                 self.ledger.allocated(b.tensor, kind)  # a view keeps the home of the storage it views
 

@@ -74,13 +74,14 @@ def _debug() -> bool:
 class Blob:
     """One operand's local tensor on one device (``tensor``), or a sticky ``error``.
 
-    On CUDA, ``stream`` names the stream that wrote the tensor (``"compute"`` or ``"comm"``) and ``event`` is
-    recorded after the write: a reader on another stream waits for it first. ``waited`` names the one other stream
-    already ordered after that event (it need not wait again: a program reading a thousand parameters would
-    otherwise queue a thousand event waits per call).
+    On CUDA, ``stream`` names the stream that wrote the tensor (``"compute"`` or ``"comm"``). A reader on the other
+    stream makes its stream wait for an event recorded on the writer's stream when it reads (streams run in order,
+    so that event follows the write; no event is made for the many blobs never read across streams). ``waited``
+    names the one other stream already ordered after the write and told to the allocator (it need not wait again: a
+    program reading a thousand parameters would otherwise queue a thousand event waits per call).
     """
 
-    __slots__ = ("tensor", "error", "stream", "event", "waited")
+    __slots__ = ("tensor", "error", "stream", "waited")
 
     def __init__(
         self,
@@ -88,14 +89,12 @@ class Blob:
         *,
         error: KernelError | None = None,
         stream: str | None = None,
-        event: Any = None,
     ) -> None:
         if (tensor is None) == (error is None):
             raise ValueError("Blob: give exactly one of tensor= and error=")
         self.tensor = tensor
         self.error = error
         self.stream = stream
-        self.event = event
         self.waited: str | None = None
 
     @classmethod

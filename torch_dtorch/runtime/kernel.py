@@ -359,8 +359,8 @@ class Kernel:
             stream = self.stream
             if stream is not None and stream.is_cuda:
                 host_sync = self.host_sync_collectives
-                if host_sync and b is not None and b.event is not None:
-                    b.event.synchronize()  # peers' threads read this tensor on their own streams
+                if host_sync:
+                    stream.host_wait(b)  # peers' threads read this tensor on their own streams
                 stream.wait_for([b], COMM)
                 with stream.use(COMM):
                     out = self.execute_plan(plan, local, device=self.device, comm=self.comm)

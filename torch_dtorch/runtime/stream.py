@@ -6,8 +6,9 @@ communication stream, everything else on the compute stream. On the CPU the same
 The stream-ordering rules of a worker (docs/cluster.md, "Stream ordering on a worker"), all applied here:
 
 1. **Stamp every write.** Every blob a kernel, redistribute, upload or program stores is stamped (:meth:`stamp`) with
-   the stream that wrote it and an event recorded after the write — also when the write was host-synchronous.
-2. **Wait before a cross-stream read.** A reader on another stream waits for that event first (:meth:`wait_for`).
+   the stream that wrote it — also when the write was host-synchronous.
+2. **Wait before a cross-stream read.** A reader on another stream first waits for an event recorded on the
+   writer's stream (:meth:`wait_for`; recorded at the read, which follows the write: events exist only per hand-off).
 3. **Tell the allocator about every cross-stream use.** The caching allocator hands a freed block out again as soon
    as its *allocating* stream has reached the free, so a tensor used on any other stream is ``record_stream``-ed
    there (:meth:`wait_for` for blobs, :meth:`adopt` for tensors that arrive from another thread's stream: CUDA IPC
@@ -61,6 +62,7 @@ class KernelStream:
             }
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._discard = False
+        self._compute_current = False  # the compute stream is the thread's current stream (set by the thread)
         self._idle = threading.Condition()
         self._submitted = 0
         self._done = 0
@@ -93,9 +95,16 @@ class KernelStream:
 
     def _loop(self) -> None:
         if self.is_cuda:
-            # no ``torch.set_default_device``: its TorchFunctionMode would tax every torch call from Python; kernels
-            # name their devices (``LocalContext.torch_device``)
-            torch.cuda.set_device(self.torch_device)
+            try:
+                # no ``torch.set_default_device``: its TorchFunctionMode would tax every torch call from Python;
+                # kernels name their devices (``LocalContext.torch_device``)
+                torch.cuda.set_device(self.torch_device)
+                # the compute stream is this thread's current stream for good: ``use(COMPUTE)`` on it costs
+                # nothing (it was two stream-context switches per op)
+                torch.cuda.set_stream(self._streams[COMPUTE])
+                self._compute_current = True
+            except Exception:  # noqa: BLE001 - the closures then fail with the error; the thread must not die
+                log.exception("%s: could not select %s", self._thread.name, self.torch_device)
         while True:
             fn = self._queue.get()
             if fn is _STOP:
@@ -120,39 +129,49 @@ class KernelStream:
 
     @contextlib.contextmanager
     def use(self, kind: str) -> Iterator[None]:
-        """Make ``kind``'s stream current (no-op on the CPU)."""
+        """Make ``kind``'s stream current (no-op on the CPU, and for the compute stream on the stream's own thread,
+        where it is always current)."""
         s = self._streams.get(kind)
-        if s is None:
+        if s is None or (
+            kind == COMPUTE and self._compute_current and threading.current_thread() is self._thread
+        ):
             yield
             return
         with torch.cuda.stream(s):
             yield
 
     def wait_for(self, blobs: Iterable[Blob | None], kind: str) -> None:
-        """Before stream ``kind`` reads ``blobs``: order it after each write made on another stream (its event), and
-        tell the allocator the tensor is used there (rules 2 and 3)."""
+        """Before stream ``kind`` reads ``blobs``: order it after each write made on another stream (an event
+        recorded now on the writer's stream follows the write), and tell the allocator the tensor is used there
+        (rules 2 and 3)."""
         if not self.is_cuda:
             return
+        ordered: set[str] | None = None  # writer streams ``kind`` already waits for in this call
         for b in blobs:
             if b is None or b.tensor is None or b.stream == kind or b.waited == kind:
                 continue
-            if b.event is not None:
-                self._wait_event(kind, b.event)
+            writer = b.stream
+            if writer is not None:
+                if ordered is None:
+                    ordered = set()
+                if writer not in ordered:
+                    self._wait_event(kind, self._event(writer))
+                    ordered.add(writer)
             self._record_stream(b.tensor, kind)
             # ``kind`` stays ordered after the write, and one record_stream covers every later use
             b.waited = kind
 
     def stamp(self, blobs: Iterable[Blob], kind: str) -> None:
-        """Record that ``blobs`` were written on stream ``kind`` (one event after the write; rule 1)."""
-        if not self.is_cuda:
-            for b in blobs:
-                b.stream = kind
-            return
-        event = self._event(kind)
+        """Record that ``blobs`` were written on stream ``kind`` (rule 1; the event a cross-stream reader needs is
+        made when it reads)."""
         for b in blobs:
             b.stream = kind
-            b.event = event
             b.waited = None
+
+    def host_wait(self, blob: Blob | None) -> None:
+        """Block this thread until ``blob``'s write is done (another thread reads it on its own stream)."""
+        if self.is_cuda and blob is not None and blob.stream is not None:
+            self._event(blob.stream).synchronize()
 
     def adopt(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
         """``tensor`` was allocated on another thread's stream (a CUDA IPC upload) and is complete; from now on it is
