@@ -257,3 +257,28 @@ def test_unsupported_backward_names_the_op() -> None:
     loss = F.group_norm(x, 2, w).sum()
     with pytest.raises(BackwardNotSupportedError, match=r"native_group_norm_backward.*\n.*Fix:"):
         loss.backward()
+
+
+def _rope(xq: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Llama-2's ``apply_rotary_emb`` (pytorch/examples' fsdp_tp_example model): complex form."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    return torch.view_as_real(xq_ * freqs).flatten(3).type_as(xq)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["2", "2x2"])
+def test_complex_rope_gradients(mesh_shape: tuple[int, ...]) -> None:
+    mesh = init_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 4, 8)
+    freqs = torch.polar(torch.ones(5, 4), torch.randn(5, 4))
+    ref = x.clone().requires_grad_()
+    (_rope(ref, freqs) * torch.arange(8.0)).sum().backward()
+    seq = [Shard(1)] + [Shard(2)] * (len(mesh_shape) - 1)  # sequence (and heads) sharded
+    xs = dt.distribute_tensor(x, mesh, seq).requires_grad_()
+    fs = dt.distribute_tensor(freqs, mesh, [Shard(0)] + [R] * (len(mesh_shape) - 1))
+    out = _rope(xs, fs)
+    assert out.placements == tuple(seq)
+    torch.testing.assert_close(out.detach().full_tensor(), _rope(x, freqs))
+    (out * dt.distribute_tensor(torch.arange(8.0), mesh)).sum().backward()
+    torch.testing.assert_close(xs.grad.full_tensor(), ref.grad)
