@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torch_dtorch.config import RedistributePolicy
+from torch_dtorch.executor.dtype_check import check_dtypes
 from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta, ViewInfo
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Placements, Replicate, normalize_placements, placements_str
@@ -132,6 +133,7 @@ class GraphConstructor:
                 raise ValueError(f"{op}: placements= given without a device mesh; pass device_mesh=")
             prefer = tuple(mesh_for_out.to_root_placements(p) for p in placements)
         plan = rule.plan(call, policy=self.policy, prefer_outputs=prefer)
+        check_dtypes(rule, call)  # meta tensors miss dtype errors (int @ float, bool & float, int // 0)
         inputs = list(call.inputs)
         moved = plan.match.needs_redistribute(call)
         for i in moved:

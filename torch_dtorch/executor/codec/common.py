@@ -26,6 +26,10 @@ VERSION = 1
 MAX_OPERANDS = 1 << 16
 #: entries of a metadata table (templates, operand types, ...) before it is cleared (at the start of a batch)
 MAX_TABLE = 1 << 13
+#: entries of an encoder's identity index (keyed by ``id()`` of objects the controller reuses) before it is
+#: cleared. Each entry keeps its objects alive and every upload or redistribute makes fresh ones, so this bounds
+#: the controller's memory in a long run (~0.3 KiB per entry); hot entries come back at their next use.
+MAX_FAST = 1 << 11
 #: the tables both sides keep, in the order they are named in a batch's ``cleared`` list
 TABLES = ("op", "mesh", "otype", "tmpl")
 

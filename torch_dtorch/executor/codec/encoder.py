@@ -16,6 +16,7 @@ from torch_dtorch.executor.codec.common import (
     CUSTOM,
     CUSTOM_BY_TYPE,
     MAGIC,
+    MAX_FAST,
     MAX_OPERANDS,
     MAX_TABLE,
     TABLES,
@@ -276,7 +277,7 @@ class BatchEncoder(EncodeContext):
             self._tables[n].clear()
             self._fast[n].clear()
         for fast in self._fast.values():
-            if len(fast) > 2 * MAX_TABLE:  # identity index only: the decoder is not involved
+            if len(fast) > MAX_FAST:  # identity index only: the decoder is not involved
                 fast.clear()
         dropped: list[int] = []
         if len(self._operands) > MAX_OPERANDS:
