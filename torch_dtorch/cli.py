@@ -17,7 +17,7 @@ from importlib import metadata
 _LOG_LEVEL_ENV = "DTORCH_LOG_LEVEL"
 
 #: modules of the applications' sub-commands, each with ``add_parser(sub)``
-_APP_CLI_MODULES: tuple[str, ...] = ("torch_dtorch.apps.diffusion.cli",)
+_APP_CLI_MODULES: tuple[str, ...] = ("torch_dtorch.apps.diffusion.cli", "torch_dtorch.apps.llama.cli")
 
 
 def _dist_version(dist: str) -> str:
