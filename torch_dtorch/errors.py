@@ -108,3 +108,24 @@ class BackwardNotSupportedError(NoRuleError):
             "lists the backward overloads that have one.",
         )
         self.op = op
+
+
+def _oom_base() -> type[RuntimeError]:
+    import torch
+
+    return torch.OutOfMemoryError
+
+
+class DeviceMemoryError(DTorchError, _oom_base()):  # type: ignore[misc]
+    """An allocation a rule planned (factory, upload, op output, redistribute buffer) does not fit in its devices'
+    free memory: raised on the controller before anything is sent (``torch.OutOfMemoryError``, so code that
+    catches that catches this). ``op``, ``need_bytes``, ``free_bytes`` and ``pool`` say what, how much and where."""
+
+    def __init__(
+        self, message: str, *, op: str = "", need_bytes: int = 0, free_bytes: int = 0, pool: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.need_bytes = need_bytes
+        self.free_bytes = free_bytes
+        self.pool = pool
