@@ -1,0 +1,205 @@
+"""One training step (forward, loss backward, AdamW) of a Llama-3-8B-shaped model with fewer layers: torch vs
+dtorch, one GPU.
+
+The model is transformers' ``LlamaForCausalLM`` with the Llama-3-8B configuration (hidden 4096, 32 heads / 8 KV
+heads, SwiGLU 14336, vocabulary 128256) but ``--layers`` decoder layers, **random** weights made on the device in
+``--dtype``; the batch is ``--batch`` random sequences of ``--seq`` tokens (labels = inputs). One step is
+``zero_grad(set_to_none=True)``, ``model(input_ids, labels).loss.backward()``, ``AdamW(foreach=True).step()``.
+
+Modes (each a fresh model, one after the other):
+
+- ``torch``: eager torch;
+- ``inductor``: ``torch.compile(model)`` (forward and backward compiled), eager AdamW;
+- ``dtorch``: a 1-device mesh, eager (``replicate_module``);
+- ``dtorch-tp2``: a simulated 2-device mesh on the one GPU (``simulate=True``), the upstream TP plan, eager;
+- ``dtorch-dp2``: a simulated 2-device mesh, batch sharded on ``dp`` (use ``--batch 2``), eager.
+
+Compiled dtorch training (``torch.compile(model, backend="dtorch")`` with ``requires_grad``) is not built yet, so
+there is no ``dtorch-compiled`` mode. Simulated meshes run both ranks on one GPU: they measure the overheads of a
+2-way run (collectives, two programs), not a speed-up, and hold two shards' worth of memory on the one card.
+
+Each mode runs ``--warmup`` untimed steps and ``--repeat`` timed steps; the table shows the median step time, the
+ratio to ``torch`` (target: ``dtorch`` <= 1.10) and the peak memory allocated on the GPU (every simulated rank
+included), and the first step's loss (equal losses: the same weights and data in every mode).
+
+    python bench/train_gpu.py                       # 2 layers, seq 2048, bf16, every mode
+    python bench/train_gpu.py --layers 4 --modes torch dtorch
+    python bench/train_gpu.py --tiny                # tiny widths on the CPU: checks that every path runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("bench.train_gpu")
+
+#: meta-llama/Meta-Llama-3-8B config.json (layers from --layers)
+LLAMA3_8B: dict[str, Any] = {
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+TINY: dict[str, Any] = {
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 256, "tie_word_embeddings": False,
+}  # fmt: skip
+
+MODES = ("torch", "inductor", "dtorch", "dtorch-tp2", "dtorch-dp2")
+
+TP_PLAN_KEYS = {
+    "model.embed_tokens": ("RowwiseParallel", {"input_layouts": "R"}),
+    "model.layers.*.self_attn.q_proj": ("ColwiseParallel", {}),
+    "model.layers.*.self_attn.k_proj": ("ColwiseParallel", {}),
+    "model.layers.*.self_attn.v_proj": ("ColwiseParallel", {}),
+    "model.layers.*.self_attn.o_proj": ("RowwiseParallel", {}),
+    "model.layers.*.mlp.gate_proj": ("ColwiseParallel", {}),
+    "model.layers.*.mlp.up_proj": ("ColwiseParallel", {}),
+    "model.layers.*.mlp.down_proj": ("RowwiseParallel", {}),
+    "lm_head": ("ColwiseParallel", {"output_layouts": "R"}),
+}
+
+
+def tp_plan() -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import parallel as tp
+
+    layouts = {"R": Replicate()}
+    return {
+        k: getattr(tp, cls)(**{a: layouts[v] for a, v in kw.items()}) for k, (cls, kw) in TP_PLAN_KEYS.items()
+    }
+
+
+def build(args: argparse.Namespace) -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.LlamaConfig(**(TINY if args.tiny else LLAMA3_8B), num_hidden_layers=args.layers)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = transformers.LlamaForCausalLM(cfg).to(args.dtype)
+    return model.train()
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, float]:
+    import torch_dtorch as dt
+
+    model = build(args)
+    inputs: Any = ids
+    sync: Callable[[], None] = lambda: synchronize(args.device)  # noqa: E731
+    if mode == "inductor":
+        model = torch.compile(model)
+    elif mode.startswith("dtorch"):
+        from torch_dtorch import Replicate, Shard
+        from torch_dtorch.nn import replicate_module
+
+        n = 2 if mode != "dtorch" else 1
+        axis = {"dtorch": "dp", "dtorch-tp2": "tp", "dtorch-dp2": "dp"}[mode]
+        simulate = args.device == "cuda" and n > 1
+        mesh = dt.init_device_mesh(args.device, (n,), mesh_dim_names=(axis,), simulate=simulate)
+        if mode == "dtorch-tp2":
+            dt.parallelize_module(model, mesh, tp_plan())
+        else:
+            replicate_module(model, mesh)
+        dt.match_grad_placements(model)
+        inputs = dt.distribute_tensor(ids, mesh, [Shard(0) if mode == "dtorch-dp2" else Replicate()])
+
+        def sync() -> None:
+            dt.sync()
+            synchronize(args.device)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=inputs, labels=inputs).loss
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    first = step()
+    first_loss = float(first.full_tensor() if mode.startswith("dtorch") else first)
+    for _ in range(args.warmup - 1):
+        step()
+    sync()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+    return {"step_s": statistics.median(times), "peak_gib": peak, "loss": first_loss}
+
+
+def run_fresh(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, float]:
+    """:func:`run_mode`, then everything it made is dropped (the worker pool too) before the next mode."""
+    import torch_dtorch as dt
+
+    result = run_mode(mode, args, ids)
+    gc.collect()
+    if mode.startswith("dtorch"):
+        dt.shutdown()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=None, help="default 2048; 16 with --tiny")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--device", default=None, choices=["cuda", "cpu"], help="default cuda; cpu with --tiny"
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU: every path runs")
+    args = parser.parse_args()
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    args.seq = args.seq or (16 if args.tiny else 2048)
+    args.dtype = getattr(torch, args.dtype)
+    if args.tiny:
+        args.warmup, args.repeat = min(args.warmup, 2), min(args.repeat, 2)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    vocab = (TINY if args.tiny else LLAMA3_8B)["vocab_size"]
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(args.device)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(
+        f"# train_gpu: Llama-3-8B shape{' (tiny)' if args.tiny else ''}, {args.layers} layers, batch {args.batch} x "
+        f"seq {args.seq}, {str(args.dtype).removeprefix('torch.')}, AdamW(foreach), {device_name}, "
+        f"torch {torch.__version__}"
+    )
+    results: dict[str, dict[str, float]] = {}
+    for mode in args.modes:
+        log.info("running %s", mode)
+        results[mode] = run_fresh(mode, args, ids)
+    base = results.get("torch", {}).get("step_s")
+    print("| mode | step (ms) | vs torch | peak GiB | first loss |")
+    print("|---|---|---|---|---|")
+    for mode, r in results.items():
+        ratio = f"{r['step_s'] / base:.3f}" if base else "-"
+        print(f"| {mode} | {r['step_s'] * 1e3:.1f} | {ratio} | {r['peak_gib']:.2f} | {r['loss']:.5f} |")
+    print("| dtorch-compiled | n/a | - | - | compiled training is not built yet |")
+
+
+if __name__ == "__main__":
+    main()
