@@ -15,11 +15,12 @@ STEPS, SIZE = 2, 32
 
 
 def generate(
-    pipe: Any, *, batch: int = 1, height: int = SIZE, width: int = SIZE, seed: int = 0
+    pipe: Any, *, batch: int = 1, height: int = SIZE, width: int = SIZE, seed: int = 0, **kwargs: Any
 ) -> torch.Tensor:
-    """The images of one call as a float tensor in [0, 1] (``output_type="pt"``)."""
+    """The images of one call as a float tensor in [0, 1] (``output_type="pt"``); ``kwargs`` go to the pipeline."""
     pipe.set_progress_bar_config(disable=True)
     out = pipe(
+        **kwargs,
         prompt=["a red fox in the snow"] * batch,
         num_inference_steps=STEPS,
         height=height,

@@ -66,14 +66,12 @@ def test_sequence_that_does_not_split() -> None:
         generate(pipe, height=36, width=36)
 
 
-def test_sd3_rows_in_whole_patches() -> None:
-    """SD3 at 40 pixels: 20 latent rows split in 4 but not in 4 blocks of whole 2-row patches."""
-    mesh = dt.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+def test_sd3_tokens_that_do_not_split() -> None:
+    """SD3 at 36x36 pixels: 9x9 = 81 patches do not split over 2 devices."""
+    mesh = dt.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     pipe = parallelize_pipeline(tiny_pipeline("sd3"), mesh)
-    with pytest.raises(
-        PipelineParallelError, match="20 latent rows do not split into 4 blocks of whole 2-row"
-    ):
-        generate(pipe, height=40, width=32)
+    with pytest.raises(PipelineParallelError, match="81 image tokens.*degree 2 does not divide"):
+        generate(pipe, height=36, width=36)
 
 
 def test_already_parallel() -> None:

@@ -76,6 +76,28 @@ def test_parallel_modes_slow(case: Case) -> None:
     check(case)
 
 
+def test_sd3_without_guidance_batch_1_splits_the_work() -> None:
+    """SD3 with guidance_scale=1 (no CFG batch: the transformer sees batch 1) on 2 CP devices: the sequence is
+    sliced after the patch embedding, every device attends with half of the heads, images equal single-device."""
+    pipe = tiny_pipeline("sd3")
+    heads = pipe.transformer.config.num_attention_heads
+    want = generate(tiny_pipeline("sd3"), guidance_scale=1.0)
+    parallelize_pipeline(pipe, dt.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)))
+    seen: dict[int, set[tuple[int, ...]]] = {}
+
+    def hook(device: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        seen.setdefault(device, set()).add(tuple(q.shape))
+
+    cpm.local_attention_hooks.append(hook)
+    try:
+        got = generate(pipe, guidance_scale=1.0)
+    finally:
+        cpm.local_attention_hooks.remove(hook)
+    assert psnr(got, want) >= MIN_PSNR
+    assert sorted(seen) == [0, 1]
+    assert all(s[:2] == (1, heads // 2) for shapes in seen.values() for s in shapes), seen
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_cp_splits_the_heads_of_joint_attention(batch: int) -> None:
     """FLUX on a 2-device CP mesh at batch 1 and 2: every device runs attention over the whole joint sequence

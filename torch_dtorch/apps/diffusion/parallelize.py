@@ -34,6 +34,7 @@ from torch import nn
 
 import torch_dtorch as dt
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
+from torch_dtorch.backend.place import mesh_key, place
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PipelineParallelError
 from torch_dtorch.mesh import DeviceMesh
@@ -53,8 +54,10 @@ class _Family:
     """What differs between the supported pipelines."""
 
     pipeline: str
-    #: dim of ``hidden_states`` that context parallelism splits (FLUX: packed tokens; SD3: latent rows)
-    seq_dim: int
+    #: where context parallelism starts splitting the image sequence: ``hidden_states`` dim 1 (FLUX: packed tokens
+    #: go straight into a linear), or the output of this submodule (SD3: the patch-embedding convolution has no
+    #: rule for sharded rows, so its input stays whole and its ``[B, tokens, D]`` output is sliced, locally)
+    embed_module: str | None
     #: whether the pipeline batches the classifier-free-guidance halves through one transformer call
     cfg_batch: bool
     #: transformer inputs that carry the batch dim first (sharded on ``cfg``)
@@ -64,13 +67,13 @@ class _Family:
 _FAMILIES = {
     "FluxPipeline": _Family(
         "FluxPipeline",
-        seq_dim=1,
+        embed_module=None,
         cfg_batch=False,
         batched=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
     ),
     "StableDiffusion3Pipeline": _Family(
         "StableDiffusion3Pipeline",
-        seq_dim=2,
+        embed_module="pos_embed",
         cfg_batch=True,
         batched=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
     ),
@@ -220,25 +223,22 @@ class _Runner:
                     "guidance_scale > 1 doubles it): use guidance, or drop the cfg axis"
                 )
             pl[plan.cfg] = Shard(0)
-        if plan.cp and name in ("hidden_states", "encoder_hidden_states"):
-            dim = fam.seq_dim if name == "hidden_states" else 1
+        if plan.cp and name == "hidden_states":
             n = plan.cp_size
-            if name == "hidden_states" and x.shape[dim] % n:
+            p = self.patch_size
+            tokens = x.shape[1] if fam.embed_module is None else (x.shape[-2] // p) * (x.shape[-1] // p)
+            if tokens % n:
                 raise PipelineParallelError(
-                    f"{fam.pipeline}: the transformer's hidden_states {list(x.shape)} has {x.shape[dim]} "
-                    f"{'latent rows' if dim == 2 else 'image tokens'} (dim {dim}), which the context-parallel "
-                    f"degree {n} does not divide; choose a height/width whose latent sequence splits in {n}"
+                    f"{fam.pipeline}: the transformer's hidden_states {list(x.shape)} make {tokens} image tokens, "
+                    f"which the context-parallel degree {n} does not divide; choose a height/width whose image "
+                    f"sequence splits in {n}"
                 )
-            if name == "hidden_states" and dim == 2:  # SD3: whole patches per rank
-                patch = self.patch_size
-                if x.shape[dim] % (n * patch):
-                    raise PipelineParallelError(
-                        f"{fam.pipeline}: {x.shape[dim]} latent rows do not split into {n} blocks of whole "
-                        f"{patch}-row patches; choose a height that is a multiple of {n * patch} latent rows"
-                    )
-            if x.shape[dim] % n == 0:  # text tokens that do not split stay replicated
+            if fam.embed_module is None:
                 for a in plan.cp:
-                    pl[a] = Shard(dim)
+                    pl[a] = Shard(1)
+        if plan.cp and name == "encoder_hidden_states" and x.shape[1] % plan.cp_size == 0:
+            for a in plan.cp:  # text tokens that do not split stay replicated
+                pl[a] = Shard(1)
         return pl
 
     def place(self, name: str, x: Any) -> Any:
@@ -255,6 +255,19 @@ class _Runner:
         placed = dt.distribute_tensor(dense, self.plan.mesh, self.placements(name, x))
         self.cache[name] = (weakref.ref(x), x._version, placed)
         return placed
+
+
+def _shard_sequence_after(module: nn.Module, plan: MeshPlan) -> None:
+    """Slice ``module``'s ``[B, tokens, D]`` output along the tokens on every CP axis (a local slice of a
+    replicated tensor; ``dtorch::place`` so that it also holds inside ``torch.compile``)."""
+    key = mesh_key(plan.mesh)
+
+    def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        for a in plan.cp:
+            out = place(out, key, a, "S(1)", what=f"{type(mod).__name__} output (context parallel)")
+        return out
+
+    module.register_forward_hook(hook)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -371,6 +384,8 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
     if config.compile:
         options = config.compile_options(mesh.device_type)
         runner.compiled = torch.compile(runner.base_forward, backend="dtorch", options=options)
+    if family.embed_module is not None and plan.cp:
+        _shard_sequence_after(transformer.get_submodule(family.embed_module), plan)
     transformer._dtorch_runner = runner
     transformer.__class__ = _mesh_class(base)
     log.info(
