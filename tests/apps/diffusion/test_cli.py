@@ -77,3 +77,18 @@ def test_parse_mesh() -> None:
     for bad in ("cp", "cp=0", "cp=2,cp=2", "cp=x"):
         with pytest.raises(Exception, match="--mesh"):
             parse_mesh(bad)
+
+
+def test_bad_mesh_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["diffuse", "--mesh", "dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "dtorch diffuse: error:" in err and "mesh axes ['dp']" in err and "Traceback" not in err
+
+
+def test_image_size_that_does_not_split_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["diffuse", "--steps", "1", "--height", "36", "--width", "36", "--out", str(tmp_path / "x.png")]
+    assert cli.main(argv) == 2
+    assert "81 image tokens" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

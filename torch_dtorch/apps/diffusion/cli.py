@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -106,16 +107,25 @@ def main(args: argparse.Namespace) -> int:
 
     import torch_dtorch as dt
     from torch_dtorch.apps.diffusion.config import ExecuteConfig
-    from torch_dtorch.apps.diffusion.parallelize import parallelize_pipeline
+    from torch_dtorch.apps.diffusion.parallelize import parallelize_pipeline, plan_mesh
+    from torch_dtorch.errors import PipelineParallelError
+    from torch_dtorch.mesh import DeviceMesh
 
     names, sizes = tuple(args.mesh), tuple(args.mesh.values())
-    mesh = dt.init_device_mesh(
-        args.device, sizes, mesh_dim_names=names, simulate=args.simulate, mode=args.mode
-    )
-    t0 = time.perf_counter()
-    pipe = _load(args)
-    config = ExecuteConfig(cp_mode=args.cp_mode, compile=args.compile, vae_tiling=args.vae_tiling)
-    parallelize_pipeline(pipe, mesh, config)
+    try:
+        config = ExecuteConfig(cp_mode=args.cp_mode, compile=args.compile, vae_tiling=args.vae_tiling)
+        plan_mesh(
+            DeviceMesh.from_shape(args.device, sizes, mesh_dim_names=names), config
+        )  # before any worker
+        mesh = dt.init_device_mesh(
+            args.device, sizes, mesh_dim_names=names, simulate=args.simulate, mode=args.mode
+        )
+        t0 = time.perf_counter()
+        pipe = _load(args)
+        parallelize_pipeline(pipe, mesh, config)
+    except PipelineParallelError as e:
+        print(f"dtorch diffuse: error: {e}", file=sys.stderr)
+        return 2
     t_load = time.perf_counter() - t0
     pipe.set_progress_bar_config(disable=True)
     bar = tqdm(total=args.steps, desc="denoising", unit="step")
@@ -141,7 +151,13 @@ def main(args: argparse.Namespace) -> int:
     if msl is not None:
         call["max_sequence_length"] = msl
     t1 = time.perf_counter()
-    image = pipe(**call).images[0]
+    try:
+        image = pipe(**call).images[0]
+    except PipelineParallelError as e:  # e.g. an image size whose sequence does not split over the CP devices
+        bar.close()
+        print(f"dtorch diffuse: error: {e}", file=sys.stderr)
+        dt.shutdown()
+        return 2
     total = time.perf_counter() - t1
     bar.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
