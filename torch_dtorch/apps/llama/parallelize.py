@@ -22,8 +22,10 @@ unbound ``t.to("dtorch")`` values, or dtorch tensors) in these placements on the
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from torch_dtorch.api import distribute_tensor, redistribute
+from torch_dtorch.apps.llama.cache import keep_prefill_placements, new_cache
 from torch_dtorch.apps.llama.validation import check_layout, cp_mesh
 from torch_dtorch.device.kernels import operand_of
 from torch_dtorch.device.state import get_runtime
@@ -163,9 +166,11 @@ def parallelize_llama(
         axes=dict(zip(names, work.shape, strict=True)),
     )
     model.dtorch_layout = layout  # type: ignore[assignment]
-    model.register_forward_pre_hook(_input_hook(layout), with_kwargs=True)
-    if pipeline is not None:
-        model.register_forward_hook(_output_hook(layout), with_kwargs=True)
+    model.register_forward_pre_hook(_input_hook(layout, model), with_kwargs=True)
+    model.register_forward_hook(_output_hook(layout), with_kwargs=True)
+    generate = getattr(model, "generate", None)
+    if callable(generate):
+        model.generate = _generate_on(layout, generate)  # type: ignore[assignment]
     log.info("parallelize_llama: %s on %r (cp_mode=%s)", type(model).__name__, work, cp_mode)
     return model
 
@@ -223,7 +228,12 @@ def _place(t: Any, layout: LlamaLayout, *, batch_dim: int, seq_dim: int | None, 
     return redistribute(t, mesh, want)
 
 
-def _input_hook(layout: LlamaLayout) -> Any:
+def _input_hook(layout: LlamaLayout, model: nn.Module) -> Any:
+    # transformers 5.2x names the cache ``cache`` (``past_key_values`` before, deprecated since)
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    config: Any = model.config
+
     def hook(
         mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -235,6 +245,11 @@ def _input_hook(layout: LlamaLayout) -> Any:
         if main is None:
             main = kwargs.get("inputs_embeds")
         prefill = isinstance(main, torch.Tensor) and main.ndim >= 2 and main.shape[1] > 1
+        use_cache = kwargs.get("use_cache")
+        if kwargs.get(cache_kw) is None and (config.use_cache if use_cache is None else use_cache):
+            kwargs[cache_kw] = new_cache(config)  # what the model would make, adapted below
+        if kwargs.get(cache_kw) is not None:
+            keep_prefill_placements(kwargs[cache_kw])
         for name, (batch_dim, seq_dim) in _INPUTS.items():
             if kwargs.get(name) is not None:
                 kwargs[name] = _place(
@@ -245,17 +260,34 @@ def _input_hook(layout: LlamaLayout) -> Any:
     return hook
 
 
+def _bind_to_first_stage(layout: LlamaLayout) -> None:
+    """Make the first stage the mesh that ops on mesh-less values bind to next (they bind to the mesh of the most
+    recent op otherwise: the last stage's after a forward, another model's mesh before ``generate`` starts)."""
+    if not torch.compiler.is_compiling():
+        get_runtime().last_mesh = layout.first
+
+
 def _output_hook(layout: LlamaLayout) -> Any:
-    """Pipeline: the logits back on the first stage, where ``generate`` keeps its tokens; the first stage is also
-    the mesh that ops on mesh-less values bind to next (``generate``'s ``pad_token_id * (1 - unfinished)``: by
-    default they bind to the mesh of the most recent op, the last stage's)."""
+    """Pipeline: the logits back on the first stage, where ``generate`` keeps its tokens; then the first stage is
+    the mesh of the tensors ``generate`` makes for itself (``pad_token_id * (1 - unfinished)``)."""
 
     def hook(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
         logits = getattr(out, "logits", None)
         if isinstance(logits, torch.Tensor) and layout.pipeline is not None:
             out.logits = layout.pipeline.move(logits, 0)
-        if not torch.compiler.is_compiling():
-            get_runtime().last_mesh = layout.first
+        _bind_to_first_stage(layout)
         return out
 
     return hook
+
+
+def _generate_on(layout: LlamaLayout, generate: Callable[..., Any]) -> Callable[..., Any]:
+    """HF's own ``generate``, started with the first stage as the mesh its own tensors (positions from the
+    attention mask, special-token ids, finished flags) bind to."""
+
+    @functools.wraps(generate)
+    def generate_on_mesh(*args: Any, **kwargs: Any) -> Any:
+        _bind_to_first_stage(layout)
+        return generate(*args, **kwargs)
+
+    return generate_on_mesh
