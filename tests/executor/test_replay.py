@@ -109,3 +109,51 @@ def test_the_interleaved_program_with_and_without_replay(mesh: dt.DeviceMesh) ->
         assert _replayed() == 0
     finally:
         get_config().worker_replay = True
+
+
+@pytest.mark.slow
+def test_the_interleaved_program_on_worker_processes() -> None:
+    """Process mode replays the decoded templates (the codec's interned template is the replay key)."""
+    dt.shutdown()
+    try:
+        mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+        run_interleaved_program(mesh, seed=7, steps=300, rows=8, cols=6)
+    finally:
+        dt.shutdown()
+
+
+def test_decoded_templates_carry_a_replay_key() -> None:
+    from torch_dtorch.executor.codec import BatchDecoder, BatchEncoder
+    from torch_dtorch.executor.messages import FastRun, RunOp
+    from torch_dtorch.executor.transport import wire
+
+    dt.shutdown()
+    try:
+        mesh = dt.init_device_mesh("cpu", (2,))
+        a = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+        batches: list[list[object]] = []
+        ex = get_runtime().executor
+        submit = ex.runner.submit
+
+        def spy(batch: list[object]) -> None:
+            batches.append(list(batch))
+            submit(batch)
+
+        ex.runner.submit = spy
+        for _ in range(3):
+            a = a * 2.0
+        dt.sync()
+        ex.runner.submit = submit
+    finally:
+        dt.shutdown()
+    runs = [i for b in batches for i in b if isinstance(i, FastRun)]
+    assert len(runs) >= 2
+    enc, dec = BatchEncoder(), BatchDecoder()
+    decoded = []
+    for seq, r in enumerate(runs, 1):
+        frames = wire.encode(
+            enc.encode([r]), kind=wire.MessageKind.BATCH, seq=seq, sender="c", secret=b"k" * 32
+        )
+        decoded += [i for i in dec.decode(wire.decode(frames, secret=b"k" * 32).body) if isinstance(i, RunOp)]
+    keys = {id(i.replay_key) for i in decoded}
+    assert None not in {i.replay_key for i in decoded} and len(keys) == 1

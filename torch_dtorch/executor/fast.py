@@ -161,7 +161,7 @@ class FastPlan:
         call = self.call(args, inputs)
         node = Operator(opid, self.op, args, self.kwargs, inputs, run.outputs, self.rule.family, self.assign,
                         self.cost, "", BoundOp(self.rule, call))  # fmt: skip
-        out.append(RunOp(node, call_site))
+        out.append(RunOp(node, call_site, replay_key=self))
         if self.moves:
             out.append(Free(list(range(run.first_id, oid))))
         return tuple(out)

@@ -30,10 +30,14 @@ __all__ = [
 class RunOp:
     """Run one operator (``node.payload`` is a ``BoundOp``) on each device of ``node.assign.devices``.
 
-    ``call_site`` is the user's call site (``DTORCH_DEBUG=1`` only), quoted by the error if the kernel fails."""
+    ``call_site`` is the user's call site (``DTORCH_DEBUG=1`` only), quoted by the error if the kernel fails.
+    ``replay_key``: an object shared by every call of this op on the same layout and constants (the fast path's plan,
+    the codec's interned template): workers resolve the local call once per key and replay it
+    (``runtime/replay.py``); ``None`` runs the general local path."""
 
     node: Operator
     call_site: str | None = None
+    replay_key: Any = None
 
 
 @dataclass(frozen=True, slots=True)

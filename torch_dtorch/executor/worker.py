@@ -24,6 +24,7 @@ from torch_dtorch.executor.messages import (
     RunOp,
     Upload,
 )
+from torch_dtorch.graph import Operand
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.kernel import Kernel, PoisonBoard, kernel_hooks
 from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
@@ -34,6 +35,9 @@ __all__ = ["Worker", "register_instruction"]
 log = logging.getLogger(__name__)
 
 _UNRESOLVED: Any = object()
+#: resolved local calls a worker keeps (plans and decoded templates are bounded by their own caches; this bounds
+#: the worst case)
+_MAX_RESOLVED = 16384
 
 #: handlers of instruction types defined outside this module (e.g. the compile backend's program replay):
 #: ``type -> handler(worker, instr)``; filled by :func:`register_instruction` at import
@@ -110,6 +114,8 @@ class Worker:
     def execute(self, instr: Instruction) -> None:
         """Execute one instruction if it concerns this device (never raises: failures become sticky errors)."""
         t = type(instr)
+        if t is RunOp and self._replay_op(instr):  # type: ignore[arg-type]
+            return
         if t is RunOp or t is Redistribute:
             assert isinstance(instr, (RunOp, Redistribute))
             node = instr.node
@@ -154,22 +160,68 @@ class Worker:
         first hit of its plan); ``False``: the general path must run it (moved inputs, a rule with its own local
         kernel, a missing or poisoned input, hooks or validation on)."""
         plan = run.plan
-        if plan.nmoves or not self._replay_on or self.kernel.validate or kernel_hooks():
+        if plan.nmoves:
             return False
-        if self.device not in plan.assign.devices:
+        return self._replay_call(
+            plan,
+            plan.rule,
+            plan.op,
+            lambda: run.args if run.args is not None else plan.args_of(run.inputs),
+            plan.kwargs,
+            run.inputs,
+            run.outputs,
+            plan.assign.devices,
+            run.call_site,
+        )
+
+    def _replay_op(self, instr: RunOp) -> bool:
+        """Like :meth:`_replay` for a ``RunOp`` that carries a ``replay_key`` (a fast-path plan's op after its moved
+        inputs, a decoded template in process mode)."""
+        if instr.replay_key is None:
+            return False
+        node = instr.node
+        call = node.payload.call
+        return self._replay_call(
+            instr.replay_key,
+            node.payload.rule,
+            node.op,
+            lambda: call.args,
+            call.kwargs,
+            node.inputs,
+            node.outputs,
+            node.assign.devices if node.assign is not None else (),
+            instr.call_site,
+        )
+
+    def _replay_call(
+        self,
+        key: Any,
+        rule: Any,
+        op: Any,
+        args: Callable[[], tuple[Any, ...]],
+        kwargs: dict[str, Any],
+        inputs: list[Operand | None],
+        outputs: list[Operand],
+        devices: tuple[int, ...],
+        call_site: str | None,
+    ) -> bool:
+        if not self._replay_on or self.kernel.validate or kernel_hooks():
+            return False
+        if self.device not in devices:
             return True
-        local_call = self._resolved.get(plan, _UNRESOLVED)
+        local_call = self._resolved.get(key, _UNRESOLVED)
         if local_call is _UNRESOLVED:
-            args = run.args if run.args is not None else plan.args_of(run.inputs)
-            local_call = resolve(plan.rule, plan.op, args, plan.kwargs, run.inputs)
+            local_call = resolve(rule, op, args(), kwargs, inputs)
             if local_call is AMBIGUOUS:
                 return False
-            self._resolved[plan] = local_call
-        if local_call is None or not plan.rule.runs_op_as_is:  # (a rule patched at run time: tests, tools)
+            if len(self._resolved) >= _MAX_RESOLVED:
+                self._resolved.clear()  # keys are plans and decoded templates; a long run may make many
+            self._resolved[key] = local_call
+        if local_call is None or not rule.runs_op_as_is:  # (a rule patched at run time: tests, tools)
             return False
         blobs = self.blobs
         ins: list[Blob | None] = []
-        for x in run.inputs:
+        for x in inputs:
             if x is None:
                 ins.append(None)
                 continue
@@ -179,7 +231,7 @@ class Worker:
             ins.append(b)
         self.executed += 1
         self.replayed += 1
-        self.kernel.run_resolved(local_call, ins, run.outputs, op=plan.op, call_site=run.call_site)
+        self.kernel.run_resolved(local_call, ins, outputs, op=op, call_site=call_site)
         return True
 
     def _upload(self, instr: Upload) -> None:

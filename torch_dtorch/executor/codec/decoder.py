@@ -45,6 +45,7 @@ class _Template:
         "cargs",
         "ckwargs",
         "flat",
+        "stored",
         "family",
         "note",
         "assign",
@@ -61,6 +62,7 @@ class _Template:
     cargs: Any
     ckwargs: Any
     flat: bool
+    stored: bool
     family: str
     note: str
     assign: AssignInfo | None
@@ -379,7 +381,9 @@ class BatchDecoder(DecodeContext):
             note=tm.note,
             payload=BoundOp(tm.rule, call),
         )
-        return RunOp(node, call_site)
+        # a stored, flat template is the same object for every call of this op and layout: workers replay it
+        replay_key = tm if tm.stored and tm.flat and tm.cargs is None else None
+        return RunOp(node, call_site, replay_key=replay_key)
 
     def _template(self, tree: Any) -> _Template:
         if type(tree) is int:
@@ -402,6 +406,7 @@ class BatchDecoder(DecodeContext):
         tm.out_meta = [
             TensorMeta(tuple(s), self._dtype(dt), None if st is None else tuple(st)) for s, dt, st in out_meta
         ]
+        tm.stored = not one_shot
         if not one_shot:
             self._tables["tmpl"].append(tm)
         return tm
