@@ -279,45 +279,50 @@ return [%slice_1, %slice_2]""",
 %14 = input() -> f32[8] R  # arg14_1
 %15 = input() -> f32[16, 48] R  # arg15_1
 %16 = input() -> f32[16] R  # arg16_1
-%17 = redistribute(%0: R) -> f32[1, 2, 16] S(0)  # local_slice(axis=0, dim=0)
-%18 = redistribute(%1: S(1)) -> f32[1, 4, 16] S(0)  # all_to_all(axis=0, 1->0)
-%19 = aten.cat([%17: S(0), %18: S(0)], 1) -> f32[1, 6, 16] S(0)
+%17 = redistribute(%0: R) -> f32[1, 2, 16] S(2)  # local_slice(axis=0, dim=2)
+%18 = redistribute(%1: S(1)) -> f32[1, 4, 16] S(2)  # all_to_all(axis=0, 1->2)
+%19 = aten.cat([%17: S(2), %18: S(2)], 1) -> f32[1, 6, 16] S(2)
 %20 = aten.silu(%2: R) -> f32[1, 16] R
 %21 = aten.linear(%20: R, %3: R, %4: R) -> f32[1, 48] R
 %22, %23, %24 = aten.split.Tensor(%21: R, 16, 1) -> (f32[1, 16] R, f32[1, 16] R, f32[1, 16] R)
-%25 = aten.layer_norm(%19: S(0), [16], None, None, 1e-06) -> f32[1, 6, 16] S(0)
-%26 = aten.unsqueeze(%23: R, 1) -> f32[1, 1, 16] R
-%27 = aten.add.Tensor(%26: R, 1) -> f32[1, 1, 16] R
-%28 = redistribute(%27: R) -> f32[1, 1, 16] S(0)  # local_slice(axis=0, dim=0)
-%29 = aten.mul.Tensor(%25: S(0), %28: S(0)) -> f32[1, 6, 16] S(0)
+%25 = redistribute(%19: S(2)) -> f32[1, 6, 16] S(1)  # all_to_all(axis=0, 2->1)
+%26 = aten.layer_norm(%25: S(1), [16], None, None, 1e-06) -> f32[1, 6, 16] S(1)
+%27 = aten.unsqueeze(%23: R, 1) -> f32[1, 1, 16] R
+%28 = aten.add.Tensor(%27: R, 1) -> f32[1, 1, 16] R
+%29 = aten.mul.Tensor(%26: S(1), %28: R) -> f32[1, 6, 16] S(1)
 %30 = aten.unsqueeze(%22: R, 1) -> f32[1, 1, 16] R
-%31 = redistribute(%30: R) -> f32[1, 1, 16] S(0)  # local_slice(axis=0, dim=0)
-%32 = aten.add.Tensor(%29: S(0), %31: S(0)) -> f32[1, 6, 16] S(0)
-%33 = aten.linear(%32: S(0), %5: R, %6: R) -> f32[1, 6, 32] S(0)
-%34 = aten.gelu(%33: S(0), approximate='tanh') -> f32[1, 6, 32] S(0)
-%35 = aten.linear(%32: S(0), %7: R, %8: R) -> f32[1, 6, 16] S(0)
-%36 = aten.linear(%32: S(0), %9: R, %10: R) -> f32[1, 6, 16] S(0)
-%37 = aten.linear(%32: S(0), %11: R, %12: R) -> f32[1, 6, 16] S(0)
-%38 = aten.view(%35: S(0), [1, 6, 2, 8]) -> f32[1, 6, 2, 8] S(0)
-%39 = aten.view(%36: S(0), [1, 6, 2, 8]) -> f32[1, 6, 2, 8] S(0)
-%40 = aten.view(%37: S(0), [1, 6, 2, 8]) -> f32[1, 6, 2, 8] S(0)
-%41 = aten.rms_norm(%38: S(0), [8], %13: R, 1e-06) -> f32[1, 6, 2, 8] S(0)
-%42 = aten.rms_norm(%39: S(0), [8], %14: R, 1e-06) -> f32[1, 6, 2, 8] S(0)
-%43 = aten.permute(%41: S(0), [0, 2, 1, 3]) -> f32[1, 2, 6, 8] S(0)
-%44 = aten.permute(%42: S(0), [0, 2, 1, 3]) -> f32[1, 2, 6, 8] S(0)
-%45 = aten.permute(%40: S(0), [0, 2, 1, 3]) -> f32[1, 2, 6, 8] S(0)
-%46 = aten.scaled_dot_product_attention(%43: S(0), %44: S(0), %45: S(0)) -> f32[1, 2, 6, 8] S(0)
-%47 = aten.permute(%46: S(0), [0, 2, 1, 3]) -> f32[1, 6, 2, 8] S(0)
-%48 = aten.clone(%47: S(0), memory_format=torch.contiguous_format) -> f32[1, 6, 2, 8] S(0)
-%49 = aten._unsafe_view(%48: S(0), [1, 6, 16]) -> f32[1, 6, 16] S(0)
-%50 = aten.cat([%49: S(0), %34: S(0)], 2) -> f32[1, 6, 48] S(0)
-%51 = aten.unsqueeze(%24: R, 1) -> f32[1, 1, 16] R
-%52 = aten.linear(%50: S(0), %15: R, %16: R) -> f32[1, 6, 16] S(0)
-%53 = redistribute(%51: R) -> f32[1, 1, 16] S(0)  # local_slice(axis=0, dim=0)
-%54 = aten.mul.Tensor(%53: S(0), %52: S(0)) -> f32[1, 6, 16] S(0)
-%55 = aten.add.Tensor(%19: S(0), %54: S(0)) -> f32[1, 6, 16] S(0)
-%56 = aten.slice.Tensor(%55: S(0), 1, 0, 2) -> f32[1, 2, 16] S(0)
-%57 = aten.slice.Tensor(%55: S(0), 1, 2, 9223372036854775807) -> f32[1, 4, 16] S(0)""",
+%31 = aten.add.Tensor(%29: S(1), %30: R) -> f32[1, 6, 16] S(1)
+%32 = aten.linear(%31: S(1), %5: R, %6: R) -> f32[1, 6, 32] S(1)
+%33 = aten.gelu(%32: S(1), approximate='tanh') -> f32[1, 6, 32] S(1)
+%34 = aten.linear(%31: S(1), %7: R, %8: R) -> f32[1, 6, 16] S(1)
+%35 = aten.linear(%31: S(1), %9: R, %10: R) -> f32[1, 6, 16] S(1)
+%36 = aten.linear(%31: S(1), %11: R, %12: R) -> f32[1, 6, 16] S(1)
+%37 = aten.view(%34: S(1), [1, 6, 2, 8]) -> f32[1, 6, 2, 8] S(1)
+%38 = aten.view(%35: S(1), [1, 6, 2, 8]) -> f32[1, 6, 2, 8] S(1)
+%39 = aten.view(%36: S(1), [1, 6, 2, 8]) -> f32[1, 6, 2, 8] S(1)
+%40 = aten.rms_norm(%37: S(1), [8], %13: R, 1e-06) -> f32[1, 6, 2, 8] S(1)
+%41 = aten.rms_norm(%38: S(1), [8], %14: R, 1e-06) -> f32[1, 6, 2, 8] S(1)
+%42 = aten.permute(%40: S(1), [0, 2, 1, 3]) -> f32[1, 2, 6, 8] S(2)
+%43 = aten.permute(%41: S(1), [0, 2, 1, 3]) -> f32[1, 2, 6, 8] S(2)
+%44 = aten.permute(%39: S(1), [0, 2, 1, 3]) -> f32[1, 2, 6, 8] S(2)
+%45 = redistribute(%42: S(2)) -> f32[1, 2, 6, 8] S(1)  # all_to_all(axis=0, 2->1)
+%46 = redistribute(%43: S(2)) -> f32[1, 2, 6, 8] S(1)  # all_to_all(axis=0, 2->1)
+%47 = redistribute(%44: S(2)) -> f32[1, 2, 6, 8] S(1)  # all_to_all(axis=0, 2->1)
+%48 = aten.scaled_dot_product_attention(%45: S(1), %46: S(1), %47: S(1)) -> f32[1, 2, 6, 8] S(1)
+%49 = aten.permute(%48: S(1), [0, 2, 1, 3]) -> f32[1, 6, 2, 8] S(2)
+%50 = aten.clone(%49: S(2), memory_format=torch.contiguous_format) -> f32[1, 6, 2, 8] S(2)
+%51 = aten._unsafe_view(%50: S(2), [1, 6, 16]) -> f32[1, 6, 16] S(2)
+%52 = redistribute(%51: S(2)) -> f32[1, 6, 16] S(1)  # all_to_all(axis=0, 2->1)
+%53 = aten.cat([%52: S(1), %33: S(1)], 2) -> f32[1, 6, 48] S(1)
+%54 = aten.unsqueeze(%24: R, 1) -> f32[1, 1, 16] R
+%55 = aten.linear(%53: S(1), %15: R, %16: R) -> f32[1, 6, 16] S(1)
+%56 = aten.mul.Tensor(%54: R, %55: S(1)) -> f32[1, 6, 16] S(1)
+%57 = redistribute(%19: S(2)) -> f32[1, 6, 16] S(1)  # all_to_all(axis=0, 2->1)
+%58 = aten.add.Tensor(%57: S(1), %56: S(1)) -> f32[1, 6, 16] S(1)
+%59 = redistribute(%58: S(1)) -> f32[1, 6, 16] S(2)  # all_to_all(axis=0, 1->2)
+%60 = aten.slice.Tensor(%59: S(2), 1, 0, 2) -> f32[1, 2, 16] S(2)
+%61 = redistribute(%58: S(1)) -> f32[1, 6, 16] S(2)  # all_to_all(axis=0, 1->2)
+%62 = aten.slice.Tensor(%61: S(2), 1, 2, 9223372036854775807) -> f32[1, 4, 16] S(2)""",
         )
         self.assertExpectedInline(
             r.local[0],
@@ -339,44 +344,49 @@ return [%slice_1, %slice_2]""",
 %14 = input() -> f32[8]
 %15 = input() -> f32[16, 48]
 %16 = input() -> f32[16]
-%17 = redistribute(%0) -> f32[1, 2, 16]  # local_slice(axis=0, dim=0)
-%18 = redistribute(%1) -> f32[1, 4, 16]  # all_to_all(axis=0, 1->0)
-%19 = aten.cat([%17, %18], 1) -> f32[1, 6, 16]
+%17 = redistribute(%0) -> f32[1, 2, 8]  # local_slice(axis=0, dim=2)
+%18 = redistribute(%1) -> f32[1, 4, 8]  # all_to_all(axis=0, 1->2)
+%19 = aten.cat([%17, %18], 1) -> f32[1, 6, 8]
 %20 = aten.silu(%2) -> f32[1, 16]
 %21 = aten.linear(%20, %3, %4) -> f32[1, 48]
 %22, %23, %24 = aten.split.Tensor(%21, 16, 1) -> (f32[1, 16], f32[1, 16], f32[1, 16])
-%25 = aten.layer_norm(%19, [16], None, None, 1e-06) -> f32[1, 6, 16]
-%26 = aten.unsqueeze(%23, 1) -> f32[1, 1, 16]
-%27 = aten.add.Tensor(%26, 1) -> f32[1, 1, 16]
-%28 = redistribute(%27) -> f32[1, 1, 16]  # local_slice(axis=0, dim=0)
-%29 = aten.mul.Tensor(%25, %28) -> f32[1, 6, 16]
+%25 = redistribute(%19) -> f32[1, 3, 16]  # all_to_all(axis=0, 2->1)
+%26 = aten.layer_norm(%25, [16], None, None, 1e-06) -> f32[1, 3, 16]
+%27 = aten.unsqueeze(%23, 1) -> f32[1, 1, 16]
+%28 = aten.add.Tensor(%27, 1) -> f32[1, 1, 16]
+%29 = aten.mul.Tensor(%26, %28) -> f32[1, 3, 16]
 %30 = aten.unsqueeze(%22, 1) -> f32[1, 1, 16]
-%31 = redistribute(%30) -> f32[1, 1, 16]  # local_slice(axis=0, dim=0)
-%32 = aten.add.Tensor(%29, %31) -> f32[1, 6, 16]
-%33 = aten.linear(%32, %5, %6) -> f32[1, 6, 32]
-%34 = aten.gelu(%33, approximate='tanh') -> f32[1, 6, 32]
-%35 = aten.linear(%32, %7, %8) -> f32[1, 6, 16]
-%36 = aten.linear(%32, %9, %10) -> f32[1, 6, 16]
-%37 = aten.linear(%32, %11, %12) -> f32[1, 6, 16]
-%38 = aten.view[rule kernel](%35, [1, 6, 2, 8]) -> f32[1, 6, 2, 8]
-%39 = aten.view[rule kernel](%36, [1, 6, 2, 8]) -> f32[1, 6, 2, 8]
-%40 = aten.view[rule kernel](%37, [1, 6, 2, 8]) -> f32[1, 6, 2, 8]
-%41 = aten.rms_norm(%38, [8], %13, 1e-06) -> f32[1, 6, 2, 8]
-%42 = aten.rms_norm(%39, [8], %14, 1e-06) -> f32[1, 6, 2, 8]
-%43 = aten.permute(%41, [0, 2, 1, 3]) -> f32[1, 2, 6, 8]
-%44 = aten.permute(%42, [0, 2, 1, 3]) -> f32[1, 2, 6, 8]
-%45 = aten.permute(%40, [0, 2, 1, 3]) -> f32[1, 2, 6, 8]
-%46 = aten.scaled_dot_product_attention[rule kernel](%43, %44, %45) -> f32[1, 2, 6, 8]
-%47 = aten.permute(%46, [0, 2, 1, 3]) -> f32[1, 6, 2, 8]
-%48 = aten.clone[rule kernel](%47, memory_format=torch.contiguous_format) -> f32[1, 6, 2, 8]
-%49 = aten._unsafe_view[rule kernel](%48, [1, 6, 16]) -> f32[1, 6, 16]
-%50 = aten.cat([%49, %34], 2) -> f32[1, 6, 48]
-%51 = aten.unsqueeze(%24, 1) -> f32[1, 1, 16]
-%52 = aten.linear(%50, %15, %16) -> f32[1, 6, 16]
-%53 = redistribute(%51) -> f32[1, 1, 16]  # local_slice(axis=0, dim=0)
-%54 = aten.mul.Tensor(%53, %52) -> f32[1, 6, 16]
-%55 = aten.add.Tensor(%19, %54) -> f32[1, 6, 16]
-%56 = aten.slice.Tensor(%55, 1, 0, 2) -> f32[1, 2, 16]
-%57 = aten.slice.Tensor(%55, 1, 2, 9223372036854775807) -> f32[1, 4, 16]
-return [%56, %57]""",
+%31 = aten.add.Tensor(%29, %30) -> f32[1, 3, 16]
+%32 = aten.linear(%31, %5, %6) -> f32[1, 3, 32]
+%33 = aten.gelu(%32, approximate='tanh') -> f32[1, 3, 32]
+%34 = aten.linear(%31, %7, %8) -> f32[1, 3, 16]
+%35 = aten.linear(%31, %9, %10) -> f32[1, 3, 16]
+%36 = aten.linear(%31, %11, %12) -> f32[1, 3, 16]
+%37 = aten.view[rule kernel](%34, [1, 3, 2, 8]) -> f32[1, 3, 2, 8]
+%38 = aten.view[rule kernel](%35, [1, 3, 2, 8]) -> f32[1, 3, 2, 8]
+%39 = aten.view[rule kernel](%36, [1, 3, 2, 8]) -> f32[1, 3, 2, 8]
+%40 = aten.rms_norm(%37, [8], %13, 1e-06) -> f32[1, 3, 2, 8]
+%41 = aten.rms_norm(%38, [8], %14, 1e-06) -> f32[1, 3, 2, 8]
+%42 = aten.permute(%40, [0, 2, 1, 3]) -> f32[1, 2, 3, 8]
+%43 = aten.permute(%41, [0, 2, 1, 3]) -> f32[1, 2, 3, 8]
+%44 = aten.permute(%39, [0, 2, 1, 3]) -> f32[1, 2, 3, 8]
+%45 = redistribute(%42) -> f32[1, 1, 6, 8]  # all_to_all(axis=0, 2->1)
+%46 = redistribute(%43) -> f32[1, 1, 6, 8]  # all_to_all(axis=0, 2->1)
+%47 = redistribute(%44) -> f32[1, 1, 6, 8]  # all_to_all(axis=0, 2->1)
+%48 = aten.scaled_dot_product_attention[rule kernel](%45, %46, %47) -> f32[1, 1, 6, 8]
+%49 = aten.permute(%48, [0, 2, 1, 3]) -> f32[1, 6, 1, 8]
+%50 = aten.clone[rule kernel](%49, memory_format=torch.contiguous_format) -> f32[1, 6, 1, 8]
+%51 = aten._unsafe_view[rule kernel](%50, [1, 6, 8]) -> f32[1, 6, 8]
+%52 = redistribute(%51) -> f32[1, 3, 16]  # all_to_all(axis=0, 2->1)
+%53 = aten.cat([%52, %33], 2) -> f32[1, 3, 48]
+%54 = aten.unsqueeze(%24, 1) -> f32[1, 1, 16]
+%55 = aten.linear(%53, %15, %16) -> f32[1, 3, 16]
+%56 = aten.mul.Tensor(%54, %55) -> f32[1, 3, 16]
+%57 = redistribute(%19) -> f32[1, 3, 16]  # all_to_all(axis=0, 2->1)
+%58 = aten.add.Tensor(%57, %56) -> f32[1, 3, 16]
+%59 = redistribute(%58) -> f32[1, 6, 8]  # all_to_all(axis=0, 1->2)
+%60 = aten.slice.Tensor(%59, 1, 0, 2) -> f32[1, 2, 8]
+%61 = redistribute(%58) -> f32[1, 6, 8]  # all_to_all(axis=0, 1->2)
+%62 = aten.slice.Tensor(%61, 1, 2, 9223372036854775807) -> f32[1, 4, 8]
+return [%60, %62]""",
         )
