@@ -144,3 +144,22 @@ def test_controller_memory_stays_flat_over_uploads_and_redistributes() -> None:
         tracemalloc.stop()
     assert grown < 1_000_000, f"6000 uploads + redistributes grew the controller by {grown} bytes"
     torch.testing.assert_close((x * 2).full_tensor().shape, torch.Size([4, 4]))
+
+
+def test_factory_larger_than_host_ram_is_refused_in_process_mode() -> None:
+    from torch.distributed.tensor import Replicate
+
+    from torch_dtorch.errors import DeviceMemoryError
+    from torch_dtorch.executor.memory_check import host_available_bytes
+
+    mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+    x = dt.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    avail = host_available_bytes()
+    assert avail is not None
+    rows = avail // (4 * 1024) + 1
+    with pytest.raises(DeviceMemoryError, match=r"aten.ones.default: not enough memory on host RAM") as e:
+        dt.ones(rows, 1024, device_mesh=mesh, placements=[Replicate()])
+    assert isinstance(e.value, torch.OutOfMemoryError) and f"float32[{rows}, 1024] R" in str(e.value)
+    r = dt.device.state.get_runtime().executor.runner
+    assert r.failure is None and all(alive(m.proc.pid) for m in r.members.values())
+    torch.testing.assert_close((x + 1).full_tensor(), torch.arange(4.0) + 1)

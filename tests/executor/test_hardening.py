@@ -96,3 +96,93 @@ def test_value_dependent_division_by_zero_still_raises_at_fetch() -> None:
     y = da // zero  # the divisor's values are on the workers: not knowable at the call
     with pytest.raises(DTorchError, match="ZeroDivisionError"):
         y.full_tensor()
+
+
+# --- (a) memory pre-check ---------------------------------------------------------------------------------------
+
+
+def _fake_pool(mesh_devices: tuple[int, ...], free: int, *, idle: bool = False) -> object:
+    from torch_dtorch.executor.memory_check import MemoryGuard, MemoryPool
+
+    guard = MemoryGuard([MemoryPool("fake RAM", mesh_devices, lambda: free)], margin=0.0, idle=lambda: idle)
+    dt.device.state.get_runtime().executor.constructor.memory = guard
+    return guard
+
+
+def test_factory_larger_than_host_ram_is_refused_before_anything_is_sent() -> None:
+    from torch_dtorch.errors import DeviceMemoryError
+    from torch_dtorch.executor.memory_check import host_available_bytes
+
+    avail = host_available_bytes()
+    assert avail is not None
+    mesh = dt.init_device_mesh("cpu", (2,))
+    x = dt.distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
+    rows = avail // (4 * 1024) + 1  # one replica alone is larger than the available RAM
+    ex = dt.device.state.get_runtime().executor
+    flushes, pending = ex.num_flushes, list(ex._pending)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        dt.ones(rows, 1024, device_mesh=mesh, placements=[Replicate()])
+    err = e.value
+    assert isinstance(err, DeviceMemoryError) and err.op == "aten.ones.default" and err.pool == "host RAM"
+    text = str(err)
+    assert f"float32[{rows}, 1024] R" in text and "per device on devices [0, 1]" in text and "is free" in text
+    assert err.need_bytes == 2 * rows * 1024 * 4 and err.free_bytes > 0
+    assert ex.num_flushes == flushes and ex._pending == pending  # nothing was queued or sent
+    torch.testing.assert_close((x * 2).full_tensor(), torch.arange(6.0) * 2)  # the mesh and x still work
+
+
+def test_memory_check_covers_outputs_uploads_and_redistributes() -> None:
+    from torch_dtorch.errors import DeviceMemoryError
+
+    mesh = dt.init_device_mesh("cpu", (2,))
+    x = dt.distribute_tensor(torch.randn(256, 256), mesh, [Shard(0)])  # 128 KiB per device
+    w = dt.distribute_tensor(torch.randn(256, 512), mesh, [Replicate()])
+    _fake_pool((0, 1), 400 << 10)  # each of the three below needs 512 KiB or more on the two devices
+    try:
+        with pytest.raises(DeviceMemoryError, match=r"upload: not enough memory on fake RAM"):
+            dt.distribute_tensor(torch.randn(512, 512), mesh, [Replicate()])  # 2 x 1 MiB
+        with pytest.raises(DeviceMemoryError, match=r"(?s)redistribute: .*-> R: 256.00 KiB per device"):
+            x.redistribute(mesh, [Replicate()])  # 2 x 256 KiB + ...
+        with pytest.raises(
+            DeviceMemoryError, match=r"aten.mm.default: [^\n]*\n *output 0: float32\[256, 512\] S\(0\)"
+        ):
+            torch.mm(x, w)
+    finally:
+        dt.device.state.get_runtime().executor.constructor.memory = None
+    torch.testing.assert_close((x + 0).full_tensor().shape, torch.Size([256, 256]))
+
+
+def test_planned_bytes_accumulate_until_freed_or_idle() -> None:
+    from torch_dtorch.errors import DeviceMemoryError
+
+    mesh = dt.init_device_mesh("cpu", (2,))
+    guard = _fake_pool((0, 1), 1 << 20)
+    try:
+        a = dt.zeros(256, 256, device_mesh=mesh, placements=[Replicate()])  # 2 x 256 KiB: fits
+        with pytest.raises(DeviceMemoryError, match="planned and not yet allocated"):
+            dt.zeros(256, 256, 2, device_mesh=mesh, placements=[Replicate()])  # 2 x 512 KiB more: not
+        del a  # its bytes are no longer planned once its free is queued
+        dt.device.state.get_runtime().executor.flush()
+        b = dt.zeros(256, 256, 2, device_mesh=mesh, placements=[Replicate()])
+        assert guard.planned() == {"fake RAM": 1 << 20}
+        del b
+    finally:
+        dt.device.state.get_runtime().executor.constructor.memory = None
+    idle = _fake_pool((0, 1), 1 << 20, idle=True)  # the workers are idle: the live figure shows everything
+    try:
+        keep = [dt.zeros(256, 256, device_mesh=mesh, placements=[Replicate()]) for _ in range(4)]
+        assert len(keep) == 4 and idle.checks == 4
+    finally:
+        dt.device.state.get_runtime().executor.constructor.memory = None
+
+
+def test_memory_margin_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch_dtorch.executor.memory_check import MemoryGuard, memory_guard_for
+
+    monkeypatch.setenv("DTORCH_MEMORY_MARGIN", "0.25")
+    assert MemoryGuard([]).margin == 0.25
+    monkeypatch.setenv("DTORCH_MEMORY_MARGIN", "2")
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+        MemoryGuard([])
+    monkeypatch.setenv("DTORCH_MEMORY_CHECK", "0")
+    assert memory_guard_for(object()) is None

@@ -46,6 +46,8 @@ class Member:
         "ready",
         "cuda_ipc",
         "cuda_index",
+        "mem_free",
+        "mem_reports",
     )
 
     def __init__(self, device: int) -> None:
@@ -61,6 +63,8 @@ class Member:
         self.ready = False
         self.cuda_ipc = False  # CUDA tensors travel as IPC handles (told in its WELCOME; off after a failure)
         self.cuda_index: int | None = None  # its CUDA device index on this host (reported when ready)
+        self.mem_free: int | None = None  # free bytes of its device as it last reported (CUDA, remote hosts)
+        self.mem_reports = 0  # how many such reports arrived
 
     @property
     def local(self) -> bool:

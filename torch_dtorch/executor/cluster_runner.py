@@ -27,7 +27,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ from torch_dtorch.executor.cluster_store import (
     value_from_body,
 )
 from torch_dtorch.executor.heartbeat import HeartbeatError, WorkerHangError, WorkerLostError
+from torch_dtorch.executor.memory_check import MemoryPool, host_available_bytes
 from torch_dtorch.executor.messages import Instruction
 from torch_dtorch.executor.transport import MessageKind, TransportError
 from torch_dtorch.executor.transport.rejects import RejectLog
@@ -249,6 +250,10 @@ class ClusterRunner(ClusterStartup):
             self._on_reject(TransportError(f"reply from unknown sender {msg.sender!r} dropped"))
             return
         body = msg.body if isinstance(msg.body, dict) else {}
+        mem_free = body.get("mem_free")
+        if type(mem_free) is int and mem_free >= 0:  # the memory pre-check's figure of its device
+            m.mem_free = mem_free
+            m.mem_reports += 1
         if msg.kind == MessageKind.VALUE:
             try:
                 if m.local and is_ipc_body(body):
@@ -344,6 +349,28 @@ class ClusterRunner(ClusterStartup):
                 self._on_failure(WorkerLostError(m.worker_id, host=m.host, last_op=last, reason=reason))
                 return
             time.sleep(0.05)
+
+    def memory_pools(self) -> list[MemoryPool]:
+        """The memory the controller's pre-check watches (:mod:`~torch_dtorch.executor.memory_check`): local CPU
+        workers share this host's RAM (read here); remote CPU workers their host's, and CUDA workers their GPU's
+        (as each worker last reported it: when ready and with every value it sends)."""
+        pools: list[MemoryPool] = []
+        groups: dict[tuple[str, int | None], list[Member]] = {}
+        for m in self.members.values():
+            if self.device_type == "cpu" and m.local:
+                groups.setdefault(("", None), []).append(m)
+            else:
+                groups.setdefault((m.host, m.cuda_index if self.device_type == "cuda" else None), []).append(
+                    m
+                )
+        for (host, index), ms in groups.items():
+            devices = tuple(m.device for m in ms)
+            if self.device_type == "cpu" and not host and index is None and all(m.local for m in ms):
+                pools.append(MemoryPool("host RAM", devices, host_available_bytes))
+                continue
+            name = f"cuda:{index} of host {host!r}" if self.device_type == "cuda" else f"RAM of host {host!r}"
+            pools.append(MemoryPool(name, devices, _reported_free(ms), _report_count(ms)))
+        return pools
 
     # --- failure ------------------------------------------------------------------------------------------------
     def _on_reject(self, err: TransportError, *, count: int = 1) -> None:
@@ -441,6 +468,18 @@ class ClusterRunner(ClusterStartup):
     def __repr__(self) -> str:
         state = "failed" if self.failure is not None else "closed" if self._closed else "running"
         return f"ClusterRunner(devices={list(self.devices)}, {self.device_type}, {state})"
+
+
+def _report_count(ms: list[Member]) -> Callable[[], int]:
+    return lambda: sum(m.mem_reports for m in ms)
+
+
+def _reported_free(ms: list[Member]) -> Callable[[], int | None]:
+    def free() -> int | None:
+        figures = [m.mem_free for m in ms if m.mem_free is not None]
+        return min(figures) if figures else None
+
+    return free
 
 
 __all__ += ["HeartbeatError", "WorkerFailedError", "WorkerHangError", "WorkerLostError", "WorkerStartError"]

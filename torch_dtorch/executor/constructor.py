@@ -12,6 +12,7 @@ import torch
 
 from torch_dtorch.config import RedistributePolicy
 from torch_dtorch.executor.dtype_check import check_dtypes
+from torch_dtorch.executor.memory_check import MemoryGuard, shard_bytes
 from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, OperatorCost, TensorMeta, ViewInfo
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Placements, Replicate, normalize_placements, placements_str
@@ -90,6 +91,8 @@ class GraphConstructor:
         #: ``(op, call, rule, plan, redistributed input slots, outputs, inputs after the moves)`` of the last
         #: :meth:`call` (the eager fast path builds its templates from it; the eager executor frees the moved copies)
         self.last_call: tuple[Any, ...] | None = None
+        #: the memory pre-check of the planned allocations (:mod:`.memory_check`; ``None``: not checked)
+        self.memory: MemoryGuard | None = None
 
     # --- inputs -------------------------------------------------------------------------------------------------
     def input(
@@ -136,6 +139,9 @@ class GraphConstructor:
         check_dtypes(rule, call)  # meta tensors miss dtype errors (int @ float, bool & float, int // 0)
         inputs = list(call.inputs)
         moved = plan.match.needs_redistribute(call)
+        sizes = (
+            self._check_memory(op, call, rule, plan, moved, mesh_for_out) if self.memory is not None else None
+        )
         for i in moved:
             x = inputs[i]
             assert x is not None and call.mesh is not None
@@ -171,8 +177,49 @@ class GraphConstructor:
             cost=plan.cost,
             payload=bound,
         )
+        if sizes:
+            guard = self.memory
+            assert guard is not None
+            for i in moved:
+                if (x := inputs[i]) is not None and i in sizes:
+                    guard.track(x.id, sizes[i])
+            if rule.view_of is None and rule.output_is_input is None:
+                for k, y in enumerate(outputs):
+                    guard.track(y.id, sizes.get(-1 - k, {}))
         self.last_call = (op, call, rule, plan, moved, outputs, inputs)
         return self._structure(op, outputs)
+
+    def _check_memory(
+        self,
+        op: Any,
+        call: OpCall,
+        rule: OpRule,
+        plan: Any,
+        moved: Sequence[int],
+        mesh_for_out: DeviceMesh | None,
+    ) -> dict[int, dict[int, int]]:
+        """Pre-check what this call allocates (redistributed input copies, fresh outputs) before anything is
+        emitted; returns the bytes per device by input slot (``i``) and output (``-1 - k``)."""
+        guard = self.memory
+        assert guard is not None
+        sizes: dict[int, dict[int, int]] = {}
+        labels: list[tuple[str, dict[int, int]]] = []
+        if moved and call.mesh is not None:
+            root = call.mesh.root
+            for i in moved:
+                x = call.inputs[i]
+                target = plan.match.in_targets[i]
+                if x is not None and target is not None:
+                    per = sizes[i] = shard_bytes(x.shape, x.dtype, root, target)
+                    labels.append((f"copy of input {x.name} as {placements_str(target)}", per))
+        if mesh_for_out is not None and rule.view_of is None and rule.output_is_input is None:
+            root = mesh_for_out.root
+            for k, (meta, pl) in enumerate(zip(plan.out_meta, plan.out_placements, strict=True)):
+                per = sizes[-1 - k] = shard_bytes(meta.shape, meta.dtype, root, pl)
+                dtype = str(meta.dtype).removeprefix("torch.")
+                labels.append((f"output {k}: {dtype}{list(meta.shape)} {placements_str(pl)}", per))
+        guard.check(str(op), labels)
+        return sizes
 
     def call_planned(
         self,
@@ -223,7 +270,16 @@ class GraphConstructor:
         pl = normalize_placements(
             placements, ndim=x.ndim, mesh_ndim=mesh.ndim, what=f"redistribute of {x.name}"
         )
-        return self._redistribute(x, mesh, mesh.to_root_placements(pl), user_mesh=mesh)
+        spec = redistribute_spec(x, mesh, mesh.to_root_placements(pl), user_mesh=mesh)
+        guard = self.memory
+        if guard is None:
+            return self.emit_redistribute(x, spec)
+        out_root = spec.out_mesh.root
+        per = shard_bytes(x.shape, x.dtype, out_root, spec.out_mesh.to_root_placements(spec.out_placements))
+        guard.check("redistribute", [(f"{x.describe()} -> {placements_str(spec.out_placements)}", per)])
+        y = self.emit_redistribute(x, spec)
+        guard.track(y.id, per)
+        return y
 
     # --- internals ----------------------------------------------------------------------------------------------
     def _redistribute(

@@ -28,6 +28,7 @@ from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
 from torch_dtorch.executor.eager_planned import PlannedRecording, user_call_site
 from torch_dtorch.executor.future import TensorFuture
+from torch_dtorch.executor.memory_check import memory_guard_for
 from torch_dtorch.executor.messages import (
     Barrier,
     Fetch,
@@ -104,6 +105,13 @@ class EagerGraphExecutor(PlannedRecording):
         self._timer = threading.Thread(target=self._timer_loop, name="dtorch-flush-timer", daemon=True)
         self._timer.start()
         self._resolver = ValueResolver(self)
+        self.constructor.memory = memory_guard_for(runner, idle=self._workers_idle)
+
+    def _workers_idle(self) -> bool:
+        """Whether the workers ran everything sent so far and nothing is pending (the memory check's planned bytes
+        are allocated by then, so the free figure shows them)."""
+        wait_idle = getattr(self.runner, "wait_idle", None)
+        return not self._pending and wait_idle is not None and bool(wait_idle(0))
 
     # --- recording ----------------------------------------------------------------------------------------------
     @property
@@ -236,6 +244,11 @@ class EagerGraphExecutor(PlannedRecording):
     def _upload(self, per_device: Mapping[int, torch.Tensor], operand: Operand) -> None:
         with self._lock:
             self._check_open()
+            guard = self.constructor.memory
+            if guard is not None:
+                per = {d: t.numel() * t.element_size() for d, t in per_device.items()}
+                guard.check("upload", [(operand.describe(), per)])
+                guard.track(operand.id, per)
             key = next(self._keys)
             store = self.runner.store
             for d, t in per_device.items():
@@ -300,9 +313,13 @@ class EagerGraphExecutor(PlannedRecording):
         else:
             ids = []
             pending.append(Free(ids))
+        start = len(ids)
         take = dead.popleft
         while dead:
             ids.append(take())
+        guard = self.constructor.memory
+        if guard is not None and guard.tracking:
+            guard.released(ids[start:])
 
     def free(self, operand: int | Operand) -> None:
         """Drop an operand's blobs on every worker, in order with the operators (consecutive frees share one

@@ -333,6 +333,9 @@ class WorkerProcess:
         report: dict[str, Any] = {"ready": True, "pid": os.getpid()}
         if device_type == "cuda":
             report["cuda_index"] = torch_device.index  # the controller copies CUDA IPC uploads there
+        self._torch_device = torch_device
+        self._report_memory = device_type == "cuda" or self.shm is None  # CUDA, or maybe another host
+        self._add_mem_free(report)
         self.pusher.send(report, kind=MessageKind.ACK)
 
     # --- loops --------------------------------------------------------------------------------------------------
@@ -435,7 +438,27 @@ class WorkerProcess:
         if ack is not None:  # the batch ends with this reply: acknowledge it here (see _BatchRun)
             body["ack"] = ack
             self.ack_with_value = None
+        self._add_mem_free(body)
         self.pusher.send(body, kind=MessageKind.VALUE)
+
+    def _add_mem_free(self, body: dict[str, Any]) -> None:
+        """Tell the controller's memory pre-check how much memory this device has free now (CUDA devices and
+        workers that may run on another host; local CPU workers share the controller's RAM, which it reads)."""
+        if not getattr(self, "_report_memory", False):
+            return
+        try:
+            if self._torch_device.type == "cuda":
+                import torch
+
+                body["mem_free"] = int(torch.cuda.mem_get_info(self._torch_device)[0])
+            else:
+                from torch_dtorch.executor.memory_check import host_available_bytes
+
+                free = host_available_bytes()
+                if free is not None:
+                    body["mem_free"] = free
+        except Exception as e:  # noqa: BLE001 - no figure: the controller does not check this device
+            log.debug("worker %s: no free-memory figure: %s", self.worker_id, e)
 
     def _host_body(self, key: Any, value: Any) -> dict[str, Any]:
         from torch_dtorch.executor.cluster_store import value_body

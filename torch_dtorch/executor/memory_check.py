@@ -1,0 +1,319 @@
+"""Memory pre-check: an allocation that cannot fit raises :class:`~torch_dtorch.errors.DeviceMemoryError` (a
+``torch.OutOfMemoryError``) on the controller, in the caller, **before anything is sent**, instead of a worker (or,
+in thread mode, the controller itself) being OOM-killed.
+
+What is checked (on the planning path: every call the eager fast path has not cached, every factory such as
+``dt.ones(..., placements=...)``, every upload, every explicit redistribute):
+
+* the outputs an op's rule plans (not views, not in-place outputs: they allocate nothing), the copies of inputs it
+  redistributes, the buffers of an explicit redistribute, the shards of an upload;
+* per **memory pool**: the memory devices share. CPU devices of one host share its RAM (``MemAvailable`` of
+  ``/proc/meminfo``, read at each check); virtual CUDA ranks share their GPU; a CUDA device's free figure is
+  ``torch.cuda.mem_get_info`` (thread mode) or what its worker process reports (when ready and with every value it
+  sends back; process mode);
+* the need is the sum over the pool's devices of each one's local shard bytes, plus the bytes already planned
+  since the workers were last seen idle (they may not be allocated yet: a running estimate, lowered when those
+  tensors die), against the free figure less a safety margin: ``DTORCH_MEMORY_MARGIN`` (a fraction of the free
+  memory kept back, default ``0.1``).
+
+What is **not** checked: fast-path hits (a call the fast path replays re-uses sizes checked once when it was
+planned; repeated allocations of one size are seen at the next check, through the free figure), kernels' own
+temporary workspace, the compile backend's programs, and remote CPU workers (no figure until one is reported).
+``DTORCH_MEMORY_CHECK=0`` turns the check off. Nothing is queued when the check fails: the mesh and every other
+tensor stay usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch_dtorch.errors import DeviceMemoryError
+from torch_dtorch.graph import Operand
+from torch_dtorch.placement import Shard, local_shape_and_offset
+
+__all__ = [
+    "MemoryGuard",
+    "MemoryPool",
+    "host_available_bytes",
+    "memory_guard_for",
+    "operand_bytes",
+    "shard_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MARGIN = 0.1
+#: a free-memory figure younger than this is reused for allocations under a quarter of it
+_FIGURE_TTL_S = 0.2
+
+
+def _env_margin() -> float:
+    raw = os.environ.get("DTORCH_MEMORY_MARGIN", "").strip()
+    if not raw:
+        return DEFAULT_MARGIN
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"DTORCH_MEMORY_MARGIN={raw!r} is not a number (a fraction such as 0.1)") from None
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"DTORCH_MEMORY_MARGIN={raw!r} must be in [0, 1)")
+    return value
+
+
+def check_enabled() -> bool:
+    return os.environ.get("DTORCH_MEMORY_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` of this host (``/proc/meminfo``), in bytes; ``None`` where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gib(n: float) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class MemoryPool:
+    """Memory shared by ``devices`` (one host's RAM, one GPU); ``free()`` is its free bytes (``None``: unknown,
+    not checked). A live figure (``generation=None``: read now) already shows what the workers allocated, so the
+    planned bytes are forgotten once the workers are idle; a reported one (a worker process's last report) shows
+    what they had allocated when it was sent, so the planned bytes are forgotten when ``generation()`` changes
+    (a new report)."""
+
+    name: str
+    devices: tuple[int, ...]
+    free: Callable[[], int | None]
+    generation: Callable[[], int] | None = None
+
+
+def operand_bytes(x: Operand) -> dict[int, int]:
+    """Bytes of ``x``'s local shard on each device of its mesh (nothing for an unbound operand)."""
+    if x.mesh is None:
+        return {}
+    return shard_bytes(x.shape, x.dtype, x.mesh.root, x.root_placements)
+
+
+_SHARD_BYTES: dict[Any, tuple[Any, dict[int, int]]] = {}
+_SHARD_BYTES_MAX = 4096
+
+
+def shard_bytes(shape: Sequence[int], dtype: Any, root: Any, root_placements: Any) -> dict[int, int]:
+    """Bytes of the local shard on each device of ``root`` (a root mesh) of a ``dtype`` tensor of global
+    ``shape`` laid out as ``root_placements`` (cached: the caller must not modify the result)."""
+    key = (tuple(shape), dtype, id(root), tuple(root_placements))
+    hit = _SHARD_BYTES.get(key)
+    if hit is not None and hit[0] is root:  # the same mesh, not a new one at a reused address
+        return hit[1]
+    item = dtype.itemsize
+    out: dict[int, int] = {}
+    if all(not isinstance(p, Shard) for p in root_placements):
+        n = item
+        for s in shape:
+            n *= s
+        out = dict.fromkeys(root.devices, n)
+    else:
+        for d, c in root.coordinates():
+            n = item
+            for s in local_shape_and_offset(tuple(shape), root.shape, root_placements, c)[0]:
+                n *= s
+            out[d] = n
+    if len(_SHARD_BYTES) >= _SHARD_BYTES_MAX:
+        _SHARD_BYTES.clear()
+    _SHARD_BYTES[key] = (root, out)
+    return out
+
+
+class MemoryGuard:
+    """The controller's memory pre-check (see the module docstring).
+
+    Args:
+        pools: the memory pools of the runner's devices.
+        margin: fraction of a pool's free memory kept back (default ``DTORCH_MEMORY_MARGIN``).
+        idle: whether the workers ran everything sent so far (then nothing planned is still unallocated).
+    """
+
+    def __init__(
+        self,
+        pools: Sequence[MemoryPool],
+        *,
+        margin: float | None = None,
+        idle: Callable[[], bool] | None = None,
+    ) -> None:
+        self.pools = tuple(pools)
+        self.margin = _env_margin() if margin is None else margin
+        self._idle = idle
+        self._pool_of = {d: i for i, p in enumerate(self.pools) for d in p.devices}
+        self._planned = [0] * len(self.pools)  # bytes planned since the free figure last showed them
+        self._generations = [p.generation() if p.generation is not None else 0 for p in self.pools]
+        self._last_free: list[tuple[int | None, float]] = [(None, 0.0)] * len(self.pools)
+        self._sizes: dict[
+            int, list[tuple[int, int]]
+        ] = {}  # operand id -> [(pool, bytes)] counted in _planned
+        self._lock = threading.Lock()
+        self.checks = 0
+
+    def check(self, what: str, tensors: Iterable[tuple[str, dict[int, int]]]) -> None:
+        """Raise :class:`DeviceMemoryError` if the new ``tensors`` (each a description and its bytes per device)
+        do not fit; else count them as planned (:meth:`track` ties them to their operand). ``what`` names the call
+        (``aten.ones.default``, ``upload``, ``redistribute``)."""
+        items = [(x, per) for x, per in tensors if per]
+        if not items or not self.pools:
+            return
+        self.checks += 1
+        need = [0] * len(self.pools)
+        for _, per in items:
+            for d, n in per.items():
+                i = self._pool_of.get(d)
+                if i is not None:
+                    need[i] += n
+        with self._lock:
+            now = time.monotonic()
+            refreshed = False
+            for i, pool in enumerate(self.pools):
+                if not need[i]:
+                    continue
+                free, at = self._last_free[i]
+                # a small allocation next to a recent figure needs no new one (reading one costs ~15 us)
+                if free is None or now - at > _FIGURE_TTL_S or need[i] + self._planned[i] > free / 4:
+                    if not refreshed:
+                        self._refresh()
+                        refreshed = True
+                    free = pool.free()
+                    self._last_free[i] = (free, now)
+                if free is None:
+                    continue
+                allowed = free * (1.0 - self.margin) - self._planned[i]
+                if need[i] > allowed:
+                    raise self._error(what, items, pool, need[i], free, self._planned[i])
+            for i, n in enumerate(need):
+                self._planned[i] += n
+
+    def track(self, operand_id: int, per_device: dict[int, int]) -> None:
+        """``operand_id`` holds bytes :meth:`check` counted: its death lowers the planned bytes again."""
+        counted = [(i, n) for d, n in per_device.items() if (i := self._pool_of.get(d)) is not None and n]
+        if counted:
+            with self._lock:
+                if any(self._planned[i] for i, _ in counted):
+                    self._sizes[operand_id] = counted
+
+    def _refresh(self) -> None:
+        """Forget the planned bytes the free figures show by now (callers hold the lock)."""
+        live_idle: bool | None = None
+        for i, pool in enumerate(self.pools):
+            if not self._planned[i]:
+                continue
+            if pool.generation is not None:
+                g = pool.generation()
+                if g != self._generations[i]:
+                    self._generations[i] = g
+                    self._planned[i] = 0
+            else:
+                if live_idle is None:
+                    live_idle = self._idle is not None and self._idle()
+                if live_idle:
+                    self._planned[i] = 0
+        if not any(self._planned):
+            self._sizes.clear()
+
+    def planned(self) -> dict[str, int]:
+        """Bytes planned per pool that its free figure may not show yet (diagnostics)."""
+        with self._lock:
+            return {p.name: n for p, n in zip(self.pools, self._planned, strict=True)}
+
+    @property
+    def tracking(self) -> bool:
+        """Whether any live operand is counted as planned (else :meth:`released` has nothing to do)."""
+        return bool(self._sizes)
+
+    def released(self, operand_ids: Iterable[int]) -> None:
+        """``operand_ids`` died: what they were counted for is no longer planned."""
+        if not self._sizes:
+            return
+        with self._lock:
+            pop = self._sizes.pop
+            for oid in operand_ids:
+                for i, n in pop(oid, ()):
+                    self._planned[i] = max(0, self._planned[i] - n)
+
+    def _error(
+        self,
+        what: str,
+        items: list[tuple[str, dict[int, int]]],
+        pool: MemoryPool,
+        need: int,
+        free: int,
+        planned: int,
+    ) -> DeviceMemoryError:
+        lines = []
+        for x, per in items:
+            mine = {d: n for d, n in per.items() if d in pool.devices}
+            if mine:
+                each = sorted(set(mine.values()))
+                per_dev = _gib(each[0]) if len(each) == 1 else f"{_gib(each[0])} to {_gib(each[-1])}"
+                lines.append(f"    {x}: {per_dev} per device on devices {sorted(mine)}")
+        pending = f" + {_gib(planned)} planned and not yet allocated" if planned else ""
+        return DeviceMemoryError(
+            f"{what}: not enough memory on {pool.name} (devices {list(pool.devices)}): the new tensors need "
+            f"{_gib(need)}{pending}, {_gib(free)} is free and {self.margin:.0%} of it is kept back "
+            f"(DTORCH_MEMORY_MARGIN).\n"
+            + "\n".join(lines)
+            + "\nNothing was sent; the mesh and every other tensor "
+            "are still usable. Fix: shard the tensor over more devices (Shard instead of Replicate), use a smaller "
+            "shape or dtype, or free tensors first; DTORCH_MEMORY_CHECK=0 turns this check off.",
+            op=what,
+            need_bytes=need,
+            free_bytes=free,
+            pool=pool.name,
+        )
+
+
+def _cuda_free(index: int) -> Callable[[], int | None]:
+    def free() -> int | None:
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(index)[0])
+        except Exception:  # noqa: BLE001 - no figure: not checked
+            return None
+
+    return free
+
+
+def memory_guard_for(runner: Any, *, idle: Callable[[], bool] | None = None) -> MemoryGuard | None:
+    """The guard of ``runner``'s devices (``None`` when the check is off or the runner is unknown)."""
+    if not check_enabled():
+        return None
+    pools_fn = getattr(runner, "memory_pools", None)
+    if callable(pools_fn):
+        pools = list(pools_fn())
+    else:
+        devices = tuple(getattr(runner, "devices", ()))
+        device_type = getattr(runner, "device_type", "cpu")
+        torch_devices = getattr(runner, "torch_devices", None)
+        if not devices:
+            return None
+        if device_type == "cpu" or torch_devices is None:
+            pools = [MemoryPool("host RAM", devices, host_available_bytes)]
+        else:
+            by_gpu: dict[int, list[int]] = {}
+            for d in devices:
+                by_gpu.setdefault(int(torch_devices[d].index or 0), []).append(d)
+            pools = [MemoryPool(f"cuda:{i}", tuple(ds), _cuda_free(i)) for i, ds in sorted(by_gpu.items())]
+    return MemoryGuard(pools, idle=idle)
