@@ -79,3 +79,10 @@ def test_already_parallel() -> None:
     pipe = parallelize_pipeline(tiny_pipeline("flux"), mesh)
     with pytest.raises(PipelineParallelError, match="already on a mesh"):
         parallelize_pipeline(pipe, mesh)
+
+
+def test_moving_a_parallel_pipeline() -> None:
+    mesh = dt.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    pipe = parallelize_pipeline(tiny_pipeline("flux"), mesh)
+    with pytest.raises(PipelineParallelError, match="cannot be moved.*then call parallelize_pipeline"):
+        pipe.to("cpu")

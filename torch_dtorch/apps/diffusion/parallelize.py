@@ -309,6 +309,14 @@ def _host_device(self: Any) -> torch.device:
     return runner.host
 
 
+def _refuse_move(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise PipelineParallelError(
+        f"{type(self).__name__}.to/cuda/cpu(...) after parallelize_pipeline: the transformer's weights live on the "
+        "mesh's workers and cannot be moved. Load and move the pipeline first (from_pretrained(torch_dtype=...), "
+        "pipe.to(...)), then call parallelize_pipeline"
+    )
+
+
 _MESH_CLASSES: dict[type, type] = {}
 
 
@@ -321,6 +329,9 @@ def _mesh_class(cls: type) -> type:
             {
                 "forward": _mesh_forward,
                 "device": property(_host_device),
+                "to": _refuse_move,
+                "cuda": _refuse_move,
+                "cpu": _refuse_move,
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
                 "__doc__": f"{cls.__name__} on a dtorch mesh (torch_dtorch.apps.diffusion).",
