@@ -1,0 +1,58 @@
+"""``bench/llama_gpu.py --tiny`` runs the dtorch rows of the benchmark on the CPU: greedy tokens equal torch eager's
+and the table and ratios are printed (the GPU run is the lead's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers (test extra)")
+
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "llama_gpu.py"
+
+
+def _bench() -> object:
+    spec = importlib.util.spec_from_file_location("llama_gpu", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize(
+    "variants",
+    [
+        "torch-eager,dtorch-eager,dtorch-tp2-sim",
+        pytest.param("torch-eager,dtorch-compile", marks=pytest.mark.slow),
+    ],
+    ids=["eager", "compiled"],
+)
+def test_tiny_bench_runs(variants: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "rows.json"
+    argv = [
+        "--tiny",
+        "--variants",
+        variants,
+        "--prefill",
+        "8",
+        "--decode",
+        "3",
+        "--repeats",
+        "1",
+        "--json",
+        str(out_json),
+    ]
+    assert _bench().main(argv) == 0  # type: ignore[attr-defined]
+    text = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())
+    names = variants.split(",")
+    assert sorted({r["variant"] for r in rows}) == sorted(names)
+    assert all(r["prefill_ms"] > 0 for r in rows)
+    for r in rows:
+        assert r["tokens_match"] is (None if r["variant"] == "torch-eager" else True), r
+    assert "dtorch eager / torch eager decode" in text or "dtorch-eager" not in names
