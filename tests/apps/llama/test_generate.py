@@ -24,6 +24,7 @@ from tests.apps.llama.helpers import (
 from tests.eager.conftest import thread_only
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.apps.llama import parallelize_llama
+from torch_dtorch.errors import NoRuleError
 from torch_dtorch.placement_rules import context_parallel as cpm
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
@@ -102,4 +103,32 @@ def test_qwen2_style_model() -> None:
     model.load_state_dict(ref.state_dict())
     parallelize_llama(model, make_mesh({"tp": 2, "pp": 2}))
     got = model.generate(ids.to("dtorch"), attention_mask=torch.ones_like(ids).to("dtorch"), **greedy())
+    assert torch.equal(dt.to_torch(got), want)
+
+
+def test_generate_first_on_a_fresh_pool() -> None:
+    """``generate`` as the very first call (no forward before, no op bound to a mesh yet)."""
+    ref = reference()
+    dt.shutdown()
+    model = parallelize_llama(fresh_model(), make_mesh({"tp": 2, "pp": 2}))
+    tokens = model.generate(
+        ref.ids.to("dtorch"), attention_mask=torch.ones_like(ref.ids).to("dtorch"), **greedy()
+    )
+    assert torch.equal(dt.to_torch(tokens), ref.tokens)
+
+
+@pytest.mark.xfail(
+    raises=NoRuleError,
+    strict=True,
+    reason="HF sampling calls torch.multinomial, which has no dtorch rule yet (a controller-drawn random op like "
+    "rand/randn would equal torch's stream); greedy decoding works",
+)
+def test_seeded_sampling_equals_torch() -> None:
+    ref = reference()
+    sample = {"do_sample": True, "top_k": 20, "temperature": 0.8, "max_new_tokens": 4, "pad_token_id": 0}
+    torch.manual_seed(7)
+    want = fresh_model().generate(ref.ids, attention_mask=torch.ones_like(ref.ids), **sample)
+    model = parallelize_llama(fresh_model(), make_mesh({"tp": 2}))
+    torch.manual_seed(7)
+    got = model.generate(ref.ids.to("dtorch"), attention_mask=torch.ones_like(ref.ids).to("dtorch"), **sample)
     assert torch.equal(dt.to_torch(got), want)
