@@ -35,7 +35,10 @@ from torch_dtorch.device.autograd import match_grad_placements
 from torch_dtorch.device.registration import register_rule
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.mesh import DeviceMesh
-from torch_dtorch.nn import parallelize_module
+from torch_dtorch.nn import (
+    checkpoint,  # sharded checkpoints: dt.checkpoint.save / load
+    parallelize_module,
+)
 from torch_dtorch.nn.fsdp import fully_shard
 from torch_dtorch.tools import TensorChecker, profile
 
@@ -49,6 +52,7 @@ __all__ = [
     "Shard",
     "TensorChecker",
     "TensorFuture",
+    "checkpoint",
     "__version__",
     "distribute_tensor",
     "empty",

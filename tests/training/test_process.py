@@ -4,6 +4,7 @@ optimizer run the same there as on threads."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +66,16 @@ def test_layer_norm_backward_on_processes(mesh: dt.DeviceMesh) -> None:
     ln(dt.distribute_tensor(x, mesh, [dt.Shard(0)])).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     assert_grads_close(ln.named_parameters(), ref.named_parameters())
+
+
+def test_sharded_checkpoint_on_processes(mesh: dt.DeviceMesh, tmp_path: Path) -> None:
+    """Worker processes write and read their own blocks."""
+    value = torch.randn(5, 4)
+    dt.checkpoint.save({"w": dt.distribute_tensor(value, mesh, [dt.Shard(0)])}, checkpoint_id=tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == [
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]
+    w = dt.distribute_tensor(torch.zeros(5, 4), mesh, [dt.Shard(1)])
+    dt.checkpoint.load({"w": w}, checkpoint_id=tmp_path)
+    torch.testing.assert_close(w.full_tensor(), value)
