@@ -26,9 +26,9 @@ query shard by the elementwise rules) follow the sharding without model changes.
 Kernels: a Ulysses-only call (no ring axis) runs torch's own ``scaled_dot_product_attention`` on its ``H/n``
 heads of the whole sequence (the fused flash / memory-efficient kernels on CUDA); ring blocks use a float32 math
 kernel with log-sum-exp (CPU and fallback), on CUDA the memory-efficient SDPA kernel for unmasked blocks when it is
-available. ``local_attention_hooks`` observe the local tensors every attention computation runs on. Communication goes through the worker's communicator
-(``LocalContext.comm``, given by the runtime; the simulator's ``run_local`` gives a thread per rank one); a lone
-``run_rank`` has none and raises :class:`ContextParallelError`.
+available. ``local_attention_hooks`` observe the local tensors every attention computation runs on.
+Communication goes through the worker's communicator (``LocalContext.comm``, given by the runtime; the simulator's
+``run_local`` gives a thread per rank one); a lone ``run_rank`` has none and raises :class:`ContextParallelError`.
 """
 
 from __future__ import annotations

@@ -55,5 +55,6 @@ def run_parallel(
     mode: str = "thread",
 ) -> torch.Tensor:
     mesh = dt.init_device_mesh("cpu", sizes, mesh_dim_names=names, mode=mode)
-    pipe = parallelize_pipeline(tiny_pipeline(model), mesh, ExecuteConfig(cp_mode=cp_mode, compile=compile))  # type: ignore[arg-type]
+    config = ExecuteConfig(cp_mode=cp_mode, compile=compile)  # type: ignore[arg-type]
+    pipe = parallelize_pipeline(tiny_pipeline(model), mesh, config)
     return generate(pipe, batch=batch)
