@@ -23,6 +23,9 @@
 | ``DTORCH_HEARTBEAT_TIMEOUT_S`` | cluster mode: a worker silent this long is reported lost (``WorkerLostError``) | ``1.0`` |
 | ``DTORCH_HANG_TIMEOUT_S`` | cluster mode: a worker busy on one op this long is reported hung (``WorkerHangError``) | ``600`` |
 | ``DTORCH_CONTROLLER_TIMEOUT_S`` | cluster mode: a worker whose controller is silent this long exits by itself | ``1.5`` |
+| ``DTORCH_MEMORY_CHECK`` | ``0``: no memory pre-check of planned allocations (``torch_dtorch/executor/memory_check.py``, docs/reliability.md) | ``1`` |
+| ``DTORCH_MEMORY_MARGIN`` | the memory pre-check keeps this fraction of a device's free memory back; a larger allocation raises ``DeviceMemoryError`` before anything is sent | ``0.1`` |
+| ``DTORCH_WIRE_MAX_PAYLOAD_BYTES`` | cluster mode: the largest JSON payload frame a receiver parses (tensor bytes travel in other frames) | ``268435456`` |
 | ``DTORCH_COLLECTIVE_TIMEOUT_S`` | a collective waiting longer for its peers raises ``CollectiveTimeout`` naming the missing ranks (read by ``torch_dtorch.collectives.group``) | ``300`` |
 """
 
