@@ -56,4 +56,6 @@ def test_llama_for_causal_lm_dp_tp_training() -> None:
         torch.testing.assert_close(loss.full_tensor(), want, atol=1e-5, rtol=1e-5)
     assert_params_close(model, ref)
     q = model.model.layers[0].self_attn.q_proj.weight
-    assert q.placements == (Replicate(), Shard(0)) and q.grad is not None and q.grad.placements == q.placements
+    assert (
+        q.placements == (Replicate(), Shard(0)) and q.grad is not None and q.grad.placements == q.placements
+    )
