@@ -15,7 +15,7 @@ TORCH_PIN := torch==2.13.0
 # python3.11 if present, else python3.
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 
-.PHONY: venv demo test test-process lint fmt bench cov clean
+.PHONY: venv demo test test-process lint fmt bench soak cov clean
 
 venv: $(STAMP)
 
@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml setup.cfg
 	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	$(PIP) install '$(TORCH_PIN)'
 	$(PIP) install -e '.[dev]'
-	@# the native eager fast path, built once now rather than by the first import (falls back if it cannot be)
-	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from torch_dtorch.device import native; native.load()"
+	@# the native eager fast path and worker loop, built once now rather than by the first import (fall back if they cannot be)
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from torch_dtorch.device import native; from torch_dtorch.runtime import native_replay; native.load(); native_replay.extension()"
 	@touch $@
 
 demo: venv
@@ -54,6 +54,10 @@ test-process: venv
 cov: venv
 	$(VENV)/bin/coverage run -m pytest -q
 	$(VENV)/bin/coverage report
+
+# fault and load table (docs/reliability.md): fuzz, soak memory slope, worker/controller kills, bad input, flood
+soak: venv
+	$(PY) bench/reliability.py
 
 bench: venv
 	@shopt -s nullglob; files=(bench/*.py); \
