@@ -262,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     args.batch = args.batch or ([1, 2] if args.tiny else [1, 16])
     device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    if (
+        device.type == "cpu"
+    ):  # one intra-op thread: tiny ops, and OpenMP spinning on a shared CPU distorts timings
+        torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     want: dict[int, torch.Tensor] = {}
     rows: list[Row] = []
