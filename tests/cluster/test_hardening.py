@@ -66,7 +66,17 @@ def test_script_without_shutdown_exits_promptly_and_leaves_nothing() -> None:
             proc.wait()
     took = time.monotonic() - t0
     assert proc.returncode == 0
-    assert took < 4.0, f"the script took {took:.2f} s to exit after its last line"
+    # interpreter teardown alone takes over a second on a loaded 2-core machine: compare with a script that only
+    # imports torch and torch_dtorch (before the fix the script never exited)
+    code = "import torch, torch_dtorch\nprint('END', flush=True)"
+    base = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert base.stdout is not None and base.stdout.readline().strip() == "END"
+    t1 = time.monotonic()
+    base.wait(timeout=60)
+    baseline = time.monotonic() - t1
+    assert took < baseline + 2.0, (
+        f"the script took {took:.2f} s to exit after its last line ({baseline:.2f} s)"
+    )
     assert wait_gone(info["pids"], 2.0) == []
     assert leftovers(info["paths"]) == []
 

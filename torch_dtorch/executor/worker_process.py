@@ -54,6 +54,7 @@ log = logging.getLogger("torch_dtorch.worker")
 
 _POLL_S = 0.2
 _REJECT_REPORT_S = 1.0
+_ORPHAN_WAIT_S = 1.0  # how long a worker whose controller is lost waits for its process to be gone (clean-up)
 
 
 class _LockedPusher(Pusher):
@@ -224,10 +225,12 @@ class WorkerProcess:
         """The controller is gone (heartbeat): remove what it can no longer remove (its socket directories and
         shared-memory store, only once its process is gone), then exit at once."""
         try:
+            wait_s = _ORPHAN_WAIT_S  # the stream breaks while a killed controller is still being torn down
             for endpoint in (self.controller, self.welcome.get("pub", ""), self.welcome.get("pull", "")):
-                remove_if_orphaned(str(endpoint))
+                if remove_if_orphaned(str(endpoint), wait_s=wait_s):
+                    wait_s = 0.0
             if self.shm is not None:
-                remove_store_if_orphaned(self.shm.path)
+                remove_store_if_orphaned(self.shm.path, wait_s=wait_s)
         except Exception as e:  # noqa: BLE001 - exiting anyway
             log.warning("worker %s: cleaning up after the controller failed: %s", self.worker_id, e)
         exit_on_controller_lost(reason)
@@ -530,15 +533,17 @@ class _BatchRun:
     def __call__(self) -> None:
         proc = self.proc
         note = proc.hb.note_op
-        execute = proc.worker.execute
         batch = self.batch
         last = len(batch) - 1
+        seq = self.seq
+
+        def before(i: int, instr: Any) -> None:
+            note(_op_name(instr))
+            if i == last:
+                proc.ack_with_value = seq  # taken by _send_value if this instruction replies
+
         try:
-            for i, instr in enumerate(batch):
-                note(_op_name(instr))
-                if i == last:
-                    proc.ack_with_value = self.seq  # taken by _send_value if this instruction replies
-                execute(instr)
+            proc.worker.run_batch(batch, before=before)
         finally:
             proc.hb.note_idle()
         if proc.ack_with_value is None:

@@ -18,6 +18,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = [
@@ -69,13 +70,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove(path: str, pid: int) -> bool:
+def _remove(path: str, pid: int, *, wait_s: float = 0.0) -> bool:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return False
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or pid_alive(pid):
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         return False
+    deadline = time.monotonic() + wait_s
+    while pid_alive(pid):  # a killed process may still be tearing down (its sockets close before it is gone)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
     shutil.rmtree(path, ignore_errors=True)
     log.info("removed %s: its owner (pid %d) is gone", path, pid)
     return True
@@ -97,18 +103,19 @@ def cleanup_stale_dirs(base: str | os.PathLike[str] | None = None) -> list[str]:
     return removed
 
 
-def remove_store_if_orphaned(path: str | os.PathLike[str]) -> bool:
-    """A shared-memory store directory ``dtorch-store-<pid>-*`` whose owner is gone (a zombie counts as gone):
-    remove it. True when removed."""
+def remove_store_if_orphaned(path: str | os.PathLike[str], *, wait_s: float = 0.0) -> bool:
+    """A shared-memory store directory ``dtorch-store-<pid>-*`` whose owner is gone (a zombie counts as gone;
+    ``wait_s``: how long to wait for it to go): remove it. True when removed."""
     m = _STORE_NAME.match(Path(path).name)
-    return m is not None and _remove(str(path), int(m.group(1)))
+    return m is not None and _remove(str(path), int(m.group(1)), wait_s=wait_s)
 
 
-def remove_if_orphaned(endpoint: str) -> bool:
-    """``ipc://<dir>/<name>.sock`` with ``dir`` made by :func:`private_dir` and its owner gone: remove ``dir``.
-    Anything else (TCP, another directory, a live owner) is left alone. True when removed."""
+def remove_if_orphaned(endpoint: str, *, wait_s: float = 0.0) -> bool:
+    """``ipc://<dir>/<name>.sock`` with ``dir`` made by :func:`private_dir` and its owner gone (``wait_s``: how
+    long to wait for it to go): remove ``dir``. Anything else (TCP, another directory, an owner still running) is
+    left alone. True when removed."""
     if not endpoint.startswith("ipc://"):
         return False
     directory = os.path.dirname(endpoint[len("ipc://") :])
     pid = owner_pid(directory)
-    return pid is not None and _remove(directory, pid)
+    return pid is not None and _remove(directory, pid, wait_s=wait_s)
