@@ -9,8 +9,9 @@ What is checked (on the planning path: every call the eager fast path has not ca
   redistributes, the buffers of an explicit redistribute, the shards of an upload;
 * per **memory pool**: the memory devices share. CPU devices of one host share its RAM (``MemAvailable`` of
   ``/proc/meminfo``, read at each check); virtual CUDA ranks share their GPU; a CUDA device's free figure is
-  ``torch.cuda.mem_get_info`` (thread mode) or what its worker process reports (when ready and with every value it
-  sends back; process mode);
+  ``torch.cuda.mem_get_info`` plus what the caching allocator holds unused (:func:`cuda_free_bytes`), read by the
+  controller (thread mode) or reported by the worker process (when ready and with every value it sends back;
+  process mode);
 * the need is the sum over the pool's devices of each one's local shard bytes, plus the bytes already planned
   since the workers were last seen idle (they may not be allocated yet: a running estimate, lowered when those
   tensors die), against the free figure less a safety margin: ``DTORCH_MEMORY_MARGIN`` (a fraction of the free
@@ -40,6 +41,7 @@ from torch_dtorch.placement import Shard, local_shape_and_offset
 __all__ = [
     "MemoryGuard",
     "MemoryPool",
+    "cuda_free_bytes",
     "host_available_bytes",
     "memory_guard_for",
     "operand_bytes",
@@ -284,12 +286,19 @@ class MemoryGuard:
         )
 
 
+def cuda_free_bytes(device: Any) -> int:
+    """Free bytes of a CUDA device for this process: what the driver reports free plus what PyTorch's caching
+    allocator holds reserved but unused (it hands that out again before asking the driver)."""
+    import torch
+
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(torch.cuda.mem_get_info(device)[0]) + max(0, int(cached))
+
+
 def _cuda_free(index: int) -> Callable[[], int | None]:
     def free() -> int | None:
-        import torch
-
         try:
-            return int(torch.cuda.mem_get_info(index)[0])
+            return cuda_free_bytes(index)
         except Exception:  # noqa: BLE001 - no figure: not checked
             return None
 

@@ -450,13 +450,11 @@ class WorkerProcess:
         if not getattr(self, "_report_memory", False):
             return
         try:
+            from torch_dtorch.executor.memory_check import cuda_free_bytes, host_available_bytes
+
             if self._torch_device.type == "cuda":
-                import torch
-
-                body["mem_free"] = int(torch.cuda.mem_get_info(self._torch_device)[0])
+                body["mem_free"] = cuda_free_bytes(self._torch_device)
             else:
-                from torch_dtorch.executor.memory_check import host_available_bytes
-
                 free = host_available_bytes()
                 if free is not None:
                     body["mem_free"] = free
