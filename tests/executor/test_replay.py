@@ -15,6 +15,7 @@ from torch_dtorch.device.state import get_runtime
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.runtime.blob import KernelError
+from torch_dtorch.runtime.native_replay import extension as native_extension
 from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
 
 aten = torch.ops.aten
@@ -88,6 +89,8 @@ def test_a_failing_replay_poisons_its_outputs_only(
         return run(self, local)
 
     monkeypatch.setattr(LocalCall, "run", failing)
+    for w in get_runtime().executor.runner.workers.values():
+        monkeypatch.setattr(w, "_chain", None)  # the Python replay (the native loop's errors: test below)
     bad = a * 3.0
     fine = a + 1.0
     with pytest.raises(KernelError, match=r"(?s)aten\.mul.*injected failure"):
@@ -157,3 +160,43 @@ def test_decoded_templates_carry_a_replay_key() -> None:
         decoded += [i for i in dec.decode(wire.decode(frames, secret=b"k" * 32).body) if isinstance(i, RunOp)]
     keys = {id(i.replay_key) for i in decoded}
     assert None not in {i.replay_key for i in decoded} and len(keys) == 1
+
+
+def _chains_ran() -> int:
+    return sum(w._chain.ran for w in get_runtime().executor.runner.workers.values() if w._chain is not None)
+
+
+@pytest.mark.skipif(native_extension() is None, reason="the native worker loop is not built here")
+def test_the_native_loop_runs_chains_and_keeps_errors_sticky(mesh: dt.DeviceMesh) -> None:
+    i = dt.distribute_tensor(torch.arange(1, 17).view(4, 4), mesh, [Shard(0)])
+    z = dt.distribute_tensor(torch.zeros(4, 4, dtype=torch.int64), mesh, [Shard(0)])
+    a = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    for _ in range(3):  # the first call of each op is planned; the later ones are fast-path hits
+        ok = i // 2 + 1
+        w = a * 2.0
+    dt.sync()
+    before = _chains_ran()
+    bad = i // z  # integer division by zero raises in the local kernel
+    worse = bad + 1  # poisoned by the chain step before it
+    w = a * 2.0  # unrelated: fine
+    with pytest.raises(KernelError, match=r"(?s)aten\.floor_divide.*(?i:zero)"):
+        worse.full_tensor()
+    torch.testing.assert_close(w.full_tensor(), a.full_tensor() * 2.0)
+    torch.testing.assert_close(ok.full_tensor(), torch.arange(1, 17).view(4, 4) // 2 + 1)
+    assert _chains_ran() > before
+
+
+@pytest.mark.skipif(native_extension() is None, reason="the native worker loop is not built here")
+def test_native_entries_are_given_back_at_shutdown() -> None:
+    module = native_extension()
+    assert module is not None
+    dt.shutdown()
+    before = module.live()
+    mesh = dt.init_device_mesh("cpu", (2,))
+    a = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    for _ in range(3):
+        a = a * 2.0 + 1.0
+    dt.sync()
+    assert module.live() > before
+    dt.shutdown()
+    assert module.live() == before

@@ -121,6 +121,8 @@ class ThreadRunner:
         for d, s in self.streams.items():
             if not s.close(discard=True, timeout=timeout):
                 log.warning("ThreadRunner: worker %d did not stop within %.1f s", d, timeout)
+            else:
+                self.workers[d].forget_resolved()  # the native loop reuses their entries
         close = getattr(self.store, "close", None)
         if close is not None:
             close()

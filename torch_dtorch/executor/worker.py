@@ -8,7 +8,7 @@ Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.kernel`); u
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,9 @@ from torch_dtorch.executor.messages import (
 from torch_dtorch.graph import Operand
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.kernel import Kernel, PoisonBoard, kernel_hooks
+from torch_dtorch.runtime.native_replay import NativeChain
+from torch_dtorch.runtime.native_replay import extension as native_extension
+from torch_dtorch.runtime.native_replay import release as release_handles
 from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
 from torch_dtorch.runtime.stream import COMPUTE, KernelStream
 
@@ -103,13 +106,50 @@ class Worker:
         #: resolved fast-path plans (``None``: the general path); plans live as long as the fast path's cache
         self._resolved: dict[Any, LocalCall | None] = {}
         self._replay_on = cfg.worker_replay
+        #: runs of replayed ops for the native loop (``None``: no extension, or replay off)
+        self._chain: NativeChain | None = None
+        if self._replay_on and native_extension() is not None:
+            self._chain = NativeChain(device, self.blobs, stream)
         self.executed = 0  # instructions that concerned this device (for tests and stats)
         self.replayed = 0  # of which fast-path hits replayed through their resolved local call
 
     # --- entry points -------------------------------------------------------------------------------------------
-    def run_batch(self, batch: Iterable[Instruction]) -> None:
-        for instr in batch:
-            self.execute(instr)
+    def run_batch(
+        self,
+        batch: Sequence[Instruction],
+        *,
+        before: Callable[[int, Instruction], None] | None = None,
+    ) -> None:
+        """Execute a batch in order. Consecutive replayable ops run together in the native loop (GIL released);
+        anything else first flushes them. ``before(i, instruction)`` is called as each instruction is taken (the
+        process worker's heartbeat notes it)."""
+        chain = self._chain
+        if chain is None:
+            for i, instr in enumerate(batch):
+                if before is not None:
+                    before(i, instr)
+                self.execute(instr)
+            return
+        try:
+            for i, instr in enumerate(batch):
+                if before is not None:
+                    before(i, instr)
+                t = type(instr)
+                if t is FastRun:
+                    if self._replay(instr, chain):  # type: ignore[arg-type]
+                        continue
+                elif t is RunOp:
+                    if self._replay_op(instr, chain):  # type: ignore[arg-type]
+                        continue
+                elif t is Free and len(chain):
+                    chain.free(instr.operand_ids)  # type: ignore[union-attr]
+                    continue
+                if len(chain):
+                    chain.flush()
+                self.execute(instr)
+        finally:
+            if len(chain):
+                chain.flush()
 
     def execute(self, instr: Instruction) -> None:
         """Execute one instruction if it concerns this device (never raises: failures become sticky errors)."""
@@ -154,8 +194,13 @@ class Worker:
             else:
                 handler(self, instr)
 
+    def forget_resolved(self) -> None:
+        """Drop every resolved call (their native handles go back to the native loop)."""
+        release_handles([c.native for c in self._resolved.values() if c is not None and c.native >= 0])
+        self._resolved.clear()
+
     # --- handlers -----------------------------------------------------------------------------------------------
-    def _replay(self, run: FastRun) -> bool:
+    def _replay(self, run: FastRun, chain: NativeChain | None = None) -> bool:
         """Run a fast-path hit through its resolved :class:`~torch_dtorch.runtime.replay.LocalCall` (resolved on the
         first hit of its plan); ``False``: the general path must run it (moved inputs, a rule with its own local
         kernel, a missing or poisoned input, hooks or validation on)."""
@@ -172,9 +217,10 @@ class Worker:
             run.outputs,
             plan.assign.devices,
             run.call_site,
+            chain,
         )
 
-    def _replay_op(self, instr: RunOp) -> bool:
+    def _replay_op(self, instr: RunOp, chain: NativeChain | None = None) -> bool:
         """Like :meth:`_replay` for a ``RunOp`` that carries a ``replay_key`` (a fast-path plan's op after its moved
         inputs, a decoded template in process mode)."""
         if instr.replay_key is None:
@@ -191,6 +237,7 @@ class Worker:
             node.outputs,
             node.assign.devices if node.assign is not None else (),
             instr.call_site,
+            chain,
         )
 
     def _replay_call(
@@ -204,21 +251,34 @@ class Worker:
         outputs: list[Operand],
         devices: tuple[int, ...],
         call_site: str | None,
+        chain: NativeChain | None,
     ) -> bool:
+        """Replay one op through its resolved local call: queued on ``chain`` (the native loop) when it has a native
+        handle, else in Python (after the chain ran). ``False``: the general path must run it."""
         if not self._replay_on or self.kernel.validate or kernel_hooks():
             return False
         if self.device not in devices:
             return True
         local_call = self._resolved.get(key, _UNRESOLVED)
         if local_call is _UNRESOLVED:
-            local_call = resolve(rule, op, args(), kwargs, inputs)
+            local_call = resolve(rule, op, args(), kwargs, inputs, native=self._chain is not None)
             if local_call is AMBIGUOUS:
                 return False
             if len(self._resolved) >= _MAX_RESOLVED:
-                self._resolved.clear()  # keys are plans and decoded templates; a long run may make many
+                self.forget_resolved()  # keys are plans and decoded templates; a long run may make many
             self._resolved[key] = local_call
         if local_call is None or not rule.runs_op_as_is:  # (a rule patched at run time: tests, tools)
             return False
+        if chain is not None:
+            if local_call.native >= 0:
+                ids = [x.id for x in inputs if x is not None]
+                if chain.add(local_call.native, op, ids, [o.id for o in outputs], call_site):
+                    self.executed += 1
+                    self.replayed += 1
+                    return True
+                return False  # an input the chain cannot take (poisoned, missing): the general path
+            if len(chain):
+                chain.flush()
         blobs = self.blobs
         ins: list[Blob | None] = []
         for x in inputs:

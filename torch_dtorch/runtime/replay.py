@@ -20,6 +20,7 @@ import torch
 
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules.simulate import takes_device
+from torch_dtorch.runtime.native_replay import native_handle
 
 __all__ = ["AMBIGUOUS", "LocalCall", "resolve"]
 
@@ -35,6 +36,8 @@ class LocalCall(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     tensor_slots: tuple[tuple[int, int], ...]
+    #: the native loop's handle (``runtime/native_replay.py``), ``-1``: replayed in Python only
+    native: int = -1
 
     def run(self, local: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """The local outputs on ``local`` (this rank's shard of every input slot)."""
@@ -46,11 +49,17 @@ class LocalCall(NamedTuple):
 
 
 def resolve(
-    rule: Any, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[Operand | None]
+    rule: Any,
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    inputs: Sequence[Operand | None],
+    *,
+    native: bool = False,
 ) -> LocalCall | None:
     """The :class:`LocalCall` of ``op(*args, **kwargs)`` (global arguments, operands in place) under ``rule``;
     ``None`` when the general local path is needed for every call of this op and layout, :data:`AMBIGUOUS` when
-    this call alone cannot be resolved."""
+    this call alone cannot be resolved. ``native``: also resolve it for the native loop (``LocalCall.native``)."""
     if not getattr(rule, "runs_op_as_is", False) or takes_device(op):
         return None
     for v in kwargs.values():
@@ -81,4 +90,9 @@ def resolve(
             template.append(a)
     if len(slots) != sum(x is not None for x in inputs):
         return None  # an input the arguments do not name directly
-    return LocalCall(op, tuple(template), dict(kwargs), tuple(slots))
+    present = {k: j for j, k in enumerate(k for k, x in enumerate(inputs) if x is not None)}
+    positions = [0] * len(slots)
+    for pos, k in slots:
+        positions[present[k]] = pos
+    handle = native_handle(op, args, kwargs, positions) if native else -1
+    return LocalCall(op, tuple(template), dict(kwargs), tuple(slots), handle)

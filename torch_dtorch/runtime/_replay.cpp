@@ -1,0 +1,238 @@
+// The workers' native replay loop (issue 20, item 2): runs of resolved fast-path ops executed in C++ with the GIL
+// released, so worker threads run in parallel with each other and with the controller.
+//
+// A resolved call (``resolve``) is an operator handle, a boxed argument stack in schema order with the constants in
+// place, and the stack positions of the tensor inputs. ``run_chain`` replays a run of such calls: it takes the run's
+// external input tensors, executes every step on an environment id -> tensor, and returns every step's outputs and
+// the failures (a step whose input failed is skipped and reported with the failing step). Python publishes the
+// results as blobs (runtime/native_replay.py, executor/worker.py).
+
+#include <torch/extension.h>
+
+#include <ATen/ScalarOps.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+struct Resolved {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> stack;                 // schema-ordered arguments, tensor inputs left undefined
+  std::vector<std::pair<int64_t, int64_t>> slots;  // (stack position, index among the call's present inputs)
+  int64_t num_returns;
+  std::string name;
+};
+
+std::mutex g_mutex;
+std::deque<Resolved> g_calls;  // a deque: references stay valid while it grows
+std::vector<int64_t> g_free;   // released entries, reused by ``resolve``
+
+c10::OperatorHandle find_op(const std::string& name, const std::string& overload) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+}
+
+// Resolve ``op(*args, **kwargs)`` where ``inputs[k]`` (the call's present tensor inputs, this rank's shards) sit at
+// the positions ``positions[k]`` of ``args``. Returns a handle, or -1 when the call cannot be replayed natively
+// (an argument that does not convert, a return that is not a plain tensor).
+int64_t resolve(const std::string& name, const std::string& overload, py::tuple args, py::dict kwargs,
+                std::vector<int64_t> positions) {
+  c10::OperatorHandle op = find_op(name, overload);
+  const c10::FunctionSchema& schema = op.schema();
+  for (const auto& ret : schema.returns()) {
+    if (!ret.type()->isSubtypeOf(*c10::TensorType::get())) return -1;  // lists, scalars: the general path
+  }
+  const auto& arguments = schema.arguments();
+  std::vector<c10::IValue> stack;
+  stack.reserve(arguments.size());
+  std::vector<std::pair<int64_t, int64_t>> slots;
+  size_t nargs = py::len(args);
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const auto& a = arguments[i];
+    py::object value;
+    bool have = false;
+    if (!a.kwarg_only() && i < nargs) {
+      value = args[i];
+      have = true;
+    } else if (kwargs.contains(a.name())) {
+      value = kwargs[py::str(a.name())];
+      have = true;
+    }
+    int64_t input = -1;
+    if (have && !a.kwarg_only() && i < nargs) {
+      for (size_t k = 0; k < positions.size(); ++k) {
+        if (positions[k] == static_cast<int64_t>(i)) input = static_cast<int64_t>(k);
+      }
+    }
+    if (input >= 0) {
+      if (!a.type()->isSubtypeOf(*c10::TensorType::get()) &&
+          !a.type()->isSubtypeOf(*c10::OptionalType::ofTensor())) {
+        return -1;
+      }
+      slots.emplace_back(static_cast<int64_t>(i), input);
+      stack.emplace_back();
+      continue;
+    }
+    if (!have) {
+      if (!a.default_value().has_value()) return -1;
+      stack.push_back(*a.default_value());
+      continue;
+    }
+    if (a.type()->isSubtypeOf(*c10::TensorType::get()) && !THPVariable_Check(value.ptr())) {
+      // a Python number in a tensor slot (``x * 2.0``): the 0-d "wrapped number" tensor torch's own bindings make
+      c10::Scalar scalar;
+      if (py::isinstance<py::bool_>(value)) {
+        scalar = c10::Scalar(value.cast<bool>());
+      } else if (py::isinstance<py::int_>(value)) {
+        scalar = c10::Scalar(value.cast<int64_t>());
+      } else if (py::isinstance<py::float_>(value)) {
+        scalar = c10::Scalar(value.cast<double>());
+      } else {
+        return -1;
+      }
+      at::Tensor t = c10::scalar_to_tensor(scalar);
+      t.unsafeGetTensorImpl()->set_wrapped_number(true);
+      stack.emplace_back(std::move(t));
+      continue;
+    }
+    try {
+      stack.push_back(torch::jit::toIValue(value, a.type()));
+    } catch (const std::exception&) {
+      return -1;
+    }
+    if (stack.back().isTensor() || stack.back().isTensorList()) return -1;  // tensor constants: general path
+  }
+  if (slots.size() != positions.size()) return -1;
+  Resolved entry{op, std::move(stack), std::move(slots), static_cast<int64_t>(schema.returns().size()),
+                 name + "." + overload};
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_free.empty()) {
+    int64_t handle = g_free.back();
+    g_free.pop_back();
+    g_calls[static_cast<size_t>(handle)] = std::move(entry);
+    return handle;
+  }
+  g_calls.push_back(std::move(entry));
+  return static_cast<int64_t>(g_calls.size()) - 1;
+}
+
+// The owner of ``handles`` forgets them (a worker clearing its table, or shutting down): they are reused.
+void release(const std::vector<int64_t>& handles) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (int64_t h : handles) {
+    Resolved& r = g_calls.at(static_cast<size_t>(h));
+    r.stack.clear();
+    r.slots.clear();
+    g_free.push_back(h);
+  }
+}
+
+int64_t live() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return static_cast<int64_t>(g_calls.size() - g_free.size());
+}
+
+// Run a chain. ``steps`` is flat: per step ``handle, n_in, in_ids..., n_out, out_ids...``. Returns
+// ``(out_ids, out_tensors, failed)`` where ``failed`` lists ``(step, origin_step, message)``: ``origin_step`` is
+// the step whose failure poisoned this one (itself when it raised).
+py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t>& ext_ids,
+                    const std::vector<at::Tensor>& ext_tensors) {
+  std::vector<int64_t> out_ids;
+  std::vector<at::Tensor> out_tensors;
+  std::vector<std::tuple<int64_t, int64_t, std::string>> failed;
+  {
+    py::gil_scoped_release no_gil;
+    std::unordered_map<int64_t, at::Tensor> env;
+    std::unordered_map<int64_t, int64_t> poisoned;  // id -> the step whose failure it carries
+    env.reserve(ext_ids.size() * 2 + 16);
+    for (size_t i = 0; i < ext_ids.size(); ++i) env.emplace(ext_ids[i], ext_tensors[i]);
+    std::vector<const Resolved*> calls;
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      for (size_t p = 0; p < steps.size();) {
+        calls.push_back(&g_calls.at(static_cast<size_t>(steps[p])));
+        int64_t n_in = steps[p + 1];
+        int64_t n_out = steps[p + 2 + n_in];
+        p += 3 + n_in + n_out;
+      }
+    }
+    size_t p = 0;
+    std::vector<c10::IValue> stack;
+    for (int64_t step = 0; p < steps.size(); ++step) {
+      const Resolved& call = *calls[static_cast<size_t>(step)];
+      int64_t n_in = steps[p + 1];
+      const int64_t* in_ids = &steps[p + 2];
+      int64_t n_out = steps[p + 2 + n_in];
+      const int64_t* o_ids = &steps[p + 3 + n_in];
+      p += 3 + n_in + n_out;
+      int64_t origin = -1;
+      for (int64_t k = 0; k < n_in && origin < 0; ++k) {
+        auto it = poisoned.find(in_ids[k]);
+        if (it != poisoned.end()) origin = it->second;
+      }
+      std::string message;
+      if (origin < 0) {
+        stack = call.stack;
+        for (const auto& [pos, k] : call.slots) {
+          auto it = env.find(in_ids[k]);
+          if (it == env.end()) {
+            origin = step;
+            message = "input missing from the chain";
+            break;
+          }
+          stack[static_cast<size_t>(pos)] = it->second;
+        }
+        if (origin < 0) {
+          try {
+            call.op.callBoxed(&stack);
+            if (static_cast<int64_t>(stack.size()) != n_out) {
+              origin = step;
+              message = "the local kernel returned " + std::to_string(stack.size()) +
+                        " tensors, the operator has " + std::to_string(n_out) + " outputs";
+            } else {
+              for (int64_t o = 0; o < n_out; ++o) {
+                at::Tensor t = stack[static_cast<size_t>(o)].toTensor();
+                env[o_ids[o]] = t;
+                out_ids.push_back(o_ids[o]);
+                out_tensors.push_back(std::move(t));
+              }
+            }
+          } catch (const std::exception& e) {
+            origin = step;
+            message = e.what();
+          }
+        }
+      }
+      if (origin >= 0) {
+        for (int64_t o = 0; o < n_out; ++o) poisoned[o_ids[o]] = origin;
+        failed.emplace_back(step, origin, message);
+      }
+    }
+  }
+  py::list failures;
+  for (auto& [step, origin, message] : failed) failures.append(py::make_tuple(step, origin, message));
+  return py::make_tuple(out_ids, out_tensors, failures);
+}
+
+std::string name_of(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_calls.at(static_cast<size_t>(handle)).name;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("resolve", &resolve);
+  m.def("run_chain", &run_chain);
+  m.def("name_of", &name_of);
+  m.def("release", &release);
+  m.def("live", &live);
+}

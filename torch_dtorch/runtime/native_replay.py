@@ -1,0 +1,203 @@
+"""The workers' native replay loop: runs of resolved fast-path ops executed in C++ with the GIL released.
+
+A worker collects consecutive replayable instructions of a batch into a :class:`NativeChain` (their resolved calls
+have a native handle, see :func:`~torch_dtorch.runtime.replay.resolve`); any other instruction flushes the chain
+first, so the order of the batch is kept. :meth:`NativeChain.flush` hands the chain to ``_replay.cpp``'s
+``run_chain``: every op runs on its operator handle and a boxed stack prepared once, without the GIL, so worker
+threads run in parallel with each other and with the controller. The results come back as blobs (stamped on the
+compute stream); an op that raised poisons its outputs and everything in the chain computed from them, with the
+same :class:`~torch_dtorch.runtime.blob.KernelError` the Python path makes.
+
+Without a C++ compiler (or with ``DTORCH_NATIVE=0``) :func:`extension` is ``None`` and workers replay in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from torch_dtorch._native_build import NativeExtension
+from torch_dtorch.runtime.blob import Blob, KernelError
+from torch_dtorch.runtime.stream import COMPUTE, KernelStream
+
+__all__ = ["NativeChain", "extension"]
+
+_EXTENSION = NativeExtension(
+    Path(__file__).with_name("_replay.cpp"),
+    prefix="dtorch_replay",
+    what="dtorch's native worker loop",
+    fallback="the Python replay of resolved ops on the workers",
+)
+
+
+def extension() -> ModuleType | None:
+    """The built ``_replay.cpp`` module, or ``None`` (no compiler, ``DTORCH_NATIVE=0``)."""
+    return _EXTENSION.load()
+
+
+def native_handle(op: Any, args: Sequence[Any], kwargs: dict[str, Any], positions: Sequence[int]) -> int:
+    """The native handle of ``op(*args, **kwargs)`` whose tensor inputs (in slot order) are ``args[positions[k]]``;
+    ``-1`` when the native loop cannot run it (or is not available)."""
+    module = extension()
+    schema = getattr(op, "_schema", None)
+    if module is None or schema is None:
+        return -1
+    try:
+        return int(
+            module.resolve(schema.name, schema.overload_name, tuple(args), dict(kwargs), list(positions))
+        )
+    except Exception:  # noqa: BLE001 - an argument the native loop cannot take: the Python replay runs it
+        return -1
+
+
+def release(handles: Sequence[int]) -> None:
+    """Give resolved calls back to the native loop (their owner forgot them)."""
+    module = extension()
+    if module is not None and handles:
+        module.release(list(handles))
+
+
+class NativeChain:
+    """A run of resolved ops of one worker, executed together by the native loop.
+
+    Args:
+        device: the worker's device id (named by errors).
+        blobs: the worker's blob table (read for external inputs, written with the results).
+        stream: the worker's stream (cross-stream inputs are waited for when added; results are stamped).
+    """
+
+    __slots__ = (
+        "device",
+        "blobs",
+        "stream",
+        "ran",
+        "_steps",
+        "_ops",
+        "_ext",
+        "_produced",
+        "_dropped",
+        "_module",
+    )
+
+    def __init__(self, device: int, blobs: MutableMapping[int, Blob], stream: KernelStream | None) -> None:
+        self.device = device
+        self.blobs = blobs
+        self.stream = stream
+        self._module = extension()
+        self.ran = 0  # ops run by the native loop so far (for tests and stats)
+        self._steps: list[int] = []
+        self._ops: list[tuple[Any, str | None]] = []  # per step: (op, call site)
+        self._ext: dict[int, torch.Tensor] = {}
+        self._produced: set[int] = set()
+        self._dropped: set[int] = set()
+
+    @property
+    def available(self) -> bool:
+        return self._module is not None
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def add(
+        self, handle: int, op: Any, input_ids: Sequence[int], output_ids: Sequence[int], call_site: str | None
+    ) -> bool:
+        """Queue one op (``input_ids``: its present inputs in slot order); ``False`` (nothing queued) when an
+        input is neither produced by the chain nor a healthy blob: the general path must run it."""
+        produced, blobs, ext = self._produced, self.blobs, self._ext
+        fresh_ids: list[int] = []
+        fresh: list[Blob] = []
+        for i in input_ids:
+            if i in produced or i in ext or i in fresh_ids:
+                continue
+            b = blobs.get(i)
+            if b is None or b.error is not None or b.tensor is None:
+                return False
+            fresh_ids.append(i)
+            fresh.append(b)
+        if fresh and self.stream is not None and self.stream.is_cuda:
+            self.stream.wait_for(fresh, COMPUTE)
+        for i, b in zip(fresh_ids, fresh):
+            ext[i] = b.tensor  # type: ignore[assignment]
+        steps = self._steps
+        steps.append(handle)
+        steps.append(len(input_ids))
+        steps.extend(input_ids)
+        steps.append(len(output_ids))
+        steps.extend(output_ids)
+        produced.update(output_ids)
+        self._dropped.difference_update(output_ids)
+        self._ops.append((op, call_site))
+        return True
+
+    def free(self, operand_ids: Sequence[int]) -> None:
+        """A ``Free`` inside the chain: blobs go at once (the chain holds what it still reads); results the chain
+        produces are not published."""
+        pop = self.blobs.pop
+        produced = self._produced
+        for i in operand_ids:
+            if i in produced:
+                self._dropped.add(i)
+            pop(i, None)
+
+    def flush(self) -> int:
+        """Run the queued ops; publish their outputs as blobs. Returns how many ops ran (or failed)."""
+        n = len(self._ops)
+        if not n:
+            return 0
+        steps, ops = self._steps, self._ops
+        ext = self._ext
+        dropped = self._dropped
+        self._steps, self._ops, self._ext, self._produced, self._dropped = [], [], {}, set(), set()
+        assert self._module is not None
+        self.ran += n
+        try:
+            out_ids, out_tensors, failures = self._module.run_chain(steps, list(ext), list(ext.values()))
+        except Exception as e:  # noqa: BLE001 - the loop itself failed: every op of the chain is poisoned
+            out_ids, out_tensors = [], []
+            failures = [(k, k, f"{type(e).__name__}: {e}") for k in range(n)]
+        new: list[Blob] = []
+        blobs = self.blobs
+        for i, t in zip(out_ids, out_tensors):
+            if i in dropped:
+                continue
+            b = Blob(t)
+            new.append(b)
+            blobs[i] = b
+        if self.stream is not None and new:
+            self.stream.stamp(new, COMPUTE)
+        if failures:
+            self._poison(steps, ops, failures, dropped)
+        return n
+
+    def _poison(
+        self,
+        steps: list[int],
+        ops: list[tuple[Any, str | None]],
+        failures: list[tuple[int, int, str]],
+        dropped: set[int],
+    ) -> None:
+        from torch_dtorch.graph.operator import op_name
+
+        outputs: list[list[int]] = []
+        p = 0
+        while p < len(steps):
+            n_in = steps[p + 1]
+            n_out = steps[p + 2 + n_in]
+            outputs.append(steps[p + 3 + n_in : p + 3 + n_in + n_out])
+            p += 3 + n_in + n_out
+        errors: dict[int, KernelError] = {}
+        for step, origin, message in failures:
+            err = errors.get(origin)
+            if err is None:
+                op, call_site = ops[origin]
+                err = errors[origin] = KernelError(
+                    op_name(op), self.device, RuntimeError(message), call_site=call_site
+                )
+            poisoned = Blob(error=err)
+            for i in outputs[step]:
+                if i not in dropped:
+                    self.blobs[i] = poisoned
