@@ -89,17 +89,25 @@ def test_input_placements_follow_the_mesh() -> None:
         torch.testing.assert_close(logits.full_tensor(), ref.logits, rtol=1e-4, atol=1e-4)
 
 
-def test_qwen2_style_model() -> None:
-    """Qwen2 (q/k/v biases) has Llama's module names: the same layout applies."""
-    cfg = transformers.Qwen2Config(
+@pytest.mark.parametrize(
+    ("family", "kv_heads"),
+    [("Qwen2", 2), ("Mistral", 2), ("Llama", 4)],
+    ids=["qwen2-gqa-bias", "mistral-gqa", "llama2-mha"],
+)
+def test_llama_family_models(family: str, kv_heads: int) -> None:
+    """Qwen2 (q/k/v biases) and Mistral have Llama's module names; Llama-2 style multi-head attention (as many
+    key/value heads as query heads): the same layout applies on tp x pp."""
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForCausalLM")
+    cfg = config_cls(
         vocab_size=SIZES.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
-    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    ref = model_cls(cfg).eval()
     ids = torch.randint(3, SIZES.vocab_size, (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(2))
     want = ref.generate(ids, attention_mask=torch.ones_like(ids), **greedy())
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     model.load_state_dict(ref.state_dict())
     parallelize_llama(model, make_mesh({"tp": 2, "pp": 2}))
     got = model.generate(ids.to("dtorch"), attention_mask=torch.ones_like(ids).to("dtorch"), **greedy())

@@ -18,7 +18,6 @@ COMPILED = [
     ({"pp": 2}, "ulysses"),
     ({"cp": 2}, "ring"),
     ({"dp": 2, "cp": 2}, "ulysses"),
-    ({"pp": 2, "tp": 2}, "ulysses"),
 ]
 
 
