@@ -76,6 +76,7 @@ def dtensor_row(*, ops: int, repeat: int) -> float:
 
 def dtorch_row(device: str, n: int, mode: str, *, replay: bool, ops: int, repeat: int) -> float:
     get_config().worker_replay = replay
+    os.environ["DTORCH_WORKER_REPLAY"] = "1" if replay else "0"  # worker processes read it at start
     try:
         mesh = dt.init_device_mesh(device, (n,), mode=mode, simulate=device == "cuda" and n > 1)
         x = dt.distribute_tensor(torch.randn(16 * n, 16), mesh, [Shard(0)] if n > 1 else [Replicate()])
@@ -89,6 +90,7 @@ def dtorch_row(device: str, n: int, mode: str, *, replay: bool, ops: int, repeat
     finally:
         dt.shutdown()
         get_config().worker_replay = True
+        os.environ.pop("DTORCH_WORKER_REPLAY", None)
 
 
 def main() -> None:
