@@ -41,6 +41,13 @@ def _nll(
     return Sample((grad, x, target, w, reduction, ignore, total))
 
 
+def _nll_forward(n: int, classes: int, reduction: int, *, weighted: bool, ignore: int = -100) -> Sample:
+    x = torch.log_softmax(rand(n, classes), dim=1) if n else torch.log_softmax(rand(classes), dim=0)
+    target = torch.randint(0, classes, (n,) if n else (), generator=g)
+    w = rand(classes).abs() + 0.5 if weighted else None
+    return Sample((x, target, w, reduction, ignore), no_partial=True)
+
+
 _IDX = torch.randint(0, 7, (5, 3), generator=g)
 _X, _Y = rand(5, 3), rand(5, 3)
 
@@ -62,6 +69,14 @@ SAMPLES: dict[object, list[Sample]] = {
         _nll((5, 4), 4, NONE, weighted=True),
         _nll((5, 4), 4, MEAN, weighted=True, ignore=1),
         _nll((4,), 4, MEAN, weighted=False),
+    ],
+    aten.nll_loss_forward.default: [
+        _nll_forward(5, 4, MEAN, weighted=False),
+        _nll_forward(5, 4, MEAN, weighted=True, ignore=1),
+        _nll_forward(5, 4, SUM, weighted=True),
+        _nll_forward(5, 4, NONE, weighted=False),
+        _nll_forward(7, 3, MEAN, weighted=False, ignore=0),
+        _nll_forward(0, 4, MEAN, weighted=False),
     ],
     aten.nll_loss2d_backward.default: [
         _nll((3, 4, 5, 2), 4, MEAN, weighted=False),

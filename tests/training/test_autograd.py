@@ -282,3 +282,16 @@ def test_complex_rope_gradients(mesh_shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(out.detach().full_tensor(), _rope(x, freqs))
     (out * dt.distribute_tensor(torch.arange(8.0), mesh)).sum().backward()
     torch.testing.assert_close(xs.grad.full_tensor(), ref.grad)
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2], ids=["none", "mean", "sum"])
+def test_nll_loss_keeps_the_batch_sharded(reduction: int) -> None:
+    """``nll_loss_forward`` on a batch-sharded input runs on the shards (no gather of the log-probabilities);
+    ``mean`` exchanges only each rank's (sum, weight) pair."""
+    from tests.rules.harness import Sample, check_sample
+
+    x = torch.log_softmax(torch.randn(7, 5), 1)
+    sample = Sample((x, torch.randint(0, 5, (7,)), torch.rand(5) + 0.5, reduction, 1))
+    pl = [(Shard(0), Replicate()), (Shard(0), Replicate()), (R, R)]
+    plan = check_sample(torch.ops.aten.nll_loss_forward.default, sample, (2, 2), pl)
+    assert plan.match.in_targets[:2] == ((Shard(0), R), (Shard(0), R))

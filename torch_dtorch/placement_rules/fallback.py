@@ -47,7 +47,7 @@ REPLICATE_ONLY_OPS = [
     aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default,
     # losses with extra buffers or class indices
     aten.binary_cross_entropy.default, aten.multi_margin_loss.default, aten.multilabel_margin_loss_forward.default,
-    aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, aten._ctc_loss.default,
+    aten.nll_loss2d_forward.default, aten._ctc_loss.default,  # nll_loss_forward: loss_nll.py
     # reductions, histograms, searches
     aten.nansum.default, aten.std_mean.correction, aten.aminmax.default, aten.count_nonzero.dim_IntList,
     aten.histc.default, aten.histogram.bin_ct, aten.histogram.bins_tensor,
