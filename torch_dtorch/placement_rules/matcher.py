@@ -3,10 +3,13 @@
 On every mesh axis independently: a signature whose inputs equal the current placements wins at once (first in the
 rule's order). Otherwise, when the redistribute policy allows, the signature that is cheapest to reach is chosen
 (DTensor-style cost ordering): Replicate->Shard is a local slice and costs nothing, which is what aligns a
-replicated operand with a sharded peer in a broadcasting binary op. Among equally cheap signatures the one that
-shards no dim smaller than the axis wins (an all-to-all of a sequence shard goes to the heads, not to a batch dim of
-size 1 where one rank would hold all the work). Under ``DTORCH_REDISTRIBUTE=never`` (or when no
-signature is reachable) a :class:`PlacementMismatchError` lists every argument and the legal signatures.
+replicated operand with a sharded peer in a broadcasting binary op. Before the cost comes the work split: a
+signature that shards a dim smaller than the axis (some ranks would get empty shards and the work stays on the
+others) is chosen only when no other is reachable — an all-to-all of a sequence shard goes to the heads, not to a
+batch dim of size 1, and a convolution whose rows cannot stay sharded gathers them rather than moving them to that
+batch dim (the work then splits again downstream: R -> S is a local slice). Under ``DTORCH_REDISTRIBUTE=never``
+(or when no signature is reachable) a :class:`PlacementMismatchError` lists every argument and the legal
+signatures.
 """
 
 from __future__ import annotations
@@ -107,12 +110,13 @@ def match(
                     break
                 total += c
                 moves += 1
-            # ties: fewer shards with empty ranks (a dim smaller than the axis: one rank would hold the work),
-            # fewer moves, then fewer Partial outputs (a gathered input should not come out Partial)
+            # first fewer shards with empty ranks (a dim smaller than the axis: one rank would hold the work), then
+            # the bytes moved; ties: fewer moves, then fewer Partial outputs (a gathered input should not come out
+            # Partial)
             starved = _starved(call, s, size)
             partial_out = sum(1 for p in s.outputs if is_partial(p))
-            if ok and (best is None or (total, starved, moves, partial_out, order) < best):
-                best, best_sig = (total, starved, moves, partial_out, order), s
+            if ok and (best is None or (starved, total, moves, partial_out, order) < best):
+                best, best_sig = (starved, total, moves, partial_out, order), s
         if best_sig is None:
             if wanted is not None:
                 raise _unreachable_output(call, signatures, axis, wanted)
