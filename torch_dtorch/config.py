@@ -8,7 +8,7 @@
 | ``DTORCH_VALIDATE_KERNEL_IO`` | ``1``: every worker kernel checks each local output's shape, dtype and device against the inferred metadata and raises ``KernelIOError`` naming the op and the worker | ``0`` |
 | ``DTORCH_NATIVE`` | ``0``: no native (C++) eager fast path and tensor table; the Python ones, ~2x the controller time per op (see ``torch_dtorch/device/native.py``) | ``1`` |
 | ``DTORCH_NATIVE_DIR`` | where the native extension is built (once per source, torch and Python version) | ``~/.cache/torch_dtorch/native`` |
-| ``DTORCH_WORKER_REPLAY`` | ``0``: workers run every fast-path hit on the general local path instead of replaying the op resolved on its first hit (``torch_dtorch/runtime/replay.py``; for A/B measurements) | ``1`` |
+| ``DTORCH_WORKER_REPLAY`` | ``0``: workers run every fast-path hit on the general local path instead of replaying the op resolved on its first hit (``torch_dtorch/runtime/replay.py``; in the native loop ``runtime/_replay.cpp`` when it is built; for A/B measurements) | ``1`` |
 | ``DTORCH_BATCH_SIZE`` | eager executor: instructions per batch sent to the workers (a full batch is flushed at once) | ``64`` |
 | ``DTORCH_FLUSH_MS`` | eager executor: pending instructions are flushed after this many milliseconds without a new op | ``2`` |
 | ``DTORCH_MODE`` | where workers run: ``thread`` (threads of this process) or ``process`` (one process per device, cluster mode); ``init_device_mesh(mode=...)`` overrides it | ``thread`` |
