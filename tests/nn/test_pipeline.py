@@ -79,3 +79,53 @@ def test_activation_moves_between_stage_meshes() -> None:
         y = model(dt.distribute_tensor(x, stages.meshes[0], [dt.Shard(0)]))
         assert y.device_mesh == stages.meshes[2] and y.placements == (dt.Shard(0),)
         torch.testing.assert_close(y.full_tensor(), ref(x))
+
+
+class Body(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.norm(x)
+
+
+class WithHead(nn.Module):
+    """A ``ForCausalLM``-shaped model: the layer list sits under a container (``body.layers``)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.body = Body(n)
+        self.head = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x * self.scale))  # own parameters are used before the first stage
+
+
+def test_nested_layer_list() -> None:
+    """``layers="body.layers"``: the modules beside the list on its path are stage units (``body.embed`` first,
+    ``body.norm`` and ``head`` last, by path or by own name); the model's own parameter stays on stage 0."""
+    torch.manual_seed(0)
+    ref = WithHead(3).eval()
+    model = WithHead(3).eval()
+    model.load_state_dict(ref.state_dict())
+    mesh = init_mesh((2,), mesh_dim_names=("pp",))
+    stages = pipeline_parallel(model, mesh, layers="body.layers", last_stage=("norm", "head"))
+    assert stages.layer_stage == [0, 0, 1]
+    assert stages.owners == {
+        "body.layers.0": 0, "body.layers.1": 0, "body.layers.2": 1, "head": 1, "body.embed": 0, "body.norm": 1,
+    }  # fmt: skip
+    assert model.body.embed.weight.device_mesh == stages.meshes[0]
+    assert model.body.norm.weight.device_mesh == stages.meshes[1]
+    assert model.head.weight.device_mesh == stages.meshes[1]
+    assert model.scale.device_mesh == stages.meshes[0]
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        y = model(dt.distribute_tensor(x, stages.meshes[0], [dt.Replicate()]))
+        torch.testing.assert_close(y.full_tensor(), ref(x))
