@@ -146,7 +146,9 @@ def pipeline_parallel(
             (or ``assignment``, one stage index per layer).
         last_stage: modules beside the layer list that run after the layers (final norm, head), by path or by
             name (``"norm"`` is ``model.norm`` when ``layers="model.layers"``); every other module beside the layer
-            list belongs to stage 0 (embeddings, rotary tables).
+            list belongs to stage 0 (embeddings, rotary tables). Parameters of the model itself and of the
+            modules holding the layer list also live on stage 0: code of theirs that uses them after the last
+            stage's units ran mixes meshes (a ``PlacementError``); move such values with :func:`to_stage`.
         plan: a TP plan (``parallelize_module`` keys and styles) applied inside every stage on axis ``tp_dim`` of
             the stage mesh.
     """
