@@ -143,3 +143,18 @@ def test_one_call_each_later_call_reuses_placed_inputs() -> None:
     per_step = {n: calls.count(n) for n in set(calls)}
     assert per_step["encoder_hidden_states"] == 1 and per_step["img_ids"] == 1, per_step
     assert per_step["hidden_states"] == 2, per_step  # new latents every step
+
+
+def test_profile_shows_attention_on_every_device() -> None:
+    """``dt.profile()`` of one FLUX generation on a 2-device CP mesh at batch 1: attention kernels ran on both
+    workers (timings are too noisy on a shared CI machine to compare)."""
+    pipe = parallelize_pipeline(
+        tiny_pipeline("flux"), dt.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    )
+    with dt.profile() as prof:
+        generate(pipe)
+    busy: dict[int, float] = {}
+    for s in prof.spans:
+        if "scaled_dot_product_attention" in s.name:
+            busy[s.device] = busy.get(s.device, 0.0) + s.duration
+    assert sorted(busy) == [0, 1], busy
