@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 import torch_dtorch as dt
-from tests.eager.conftest import TEST_DEVICE
+from tests.eager.conftest import TEST_DEVICE, TEST_MODE
 from torch_dtorch.apps.llama.tiny import TinyLlama, tiny_llama
 
 #: 3 layers: pp=2 splits them unevenly; GQA (4 query heads, 2 key/value heads)
@@ -44,7 +44,8 @@ def greedy() -> dict[str, Any]:
     return {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
 
 
-def make_mesh(axes: Mapping[str, int], *, mode: str = "thread") -> dt.DeviceMesh:
+def make_mesh(axes: Mapping[str, int], *, mode: str = TEST_MODE) -> dt.DeviceMesh:
+    """The mesh of ``axes`` (in the suite's ``DTORCH_TEST_MODE`` / ``DTORCH_TEST_DEVICE`` unless ``mode`` is given)."""
     names = tuple(axes) or ("dp",)
     shape = tuple(axes.values()) or (1,)
     if TEST_DEVICE == "cuda":
