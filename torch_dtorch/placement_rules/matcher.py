@@ -80,7 +80,7 @@ def match(
     chosen: list[PlacementSignature] = []
     for axis, size in enumerate(mesh_shape):
         current = [p[axis] if p is not None else None for p in call.placements]
-        best: tuple[float, int, int, int, int] | None = None
+        best: tuple[int, float, int, int, int] | None = None
         best_sig: PlacementSignature | None = None
         wanted = tuple(p[axis] for p in prefer_outputs) if prefer_outputs is not None else None
         for order, s in enumerate(signatures):
