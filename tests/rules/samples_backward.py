@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+import torch_dtorch.placement_rules.backward_embedding  # noqa: F401 - registers dtorch_train ops
 from tests.rules.harness import Sample
 
 aten = torch.ops.aten
@@ -62,6 +63,11 @@ SAMPLES: dict[object, list[Sample]] = {
         Sample((rand(5, 3, 4), _IDX, 7, 2, False), no_partial=True),
         Sample((rand(5, 3, 4), _IDX, 7, -1, True), no_partial=True),
         Sample((rand(5, 6), _IDX[:, 0], 7, -1, False), no_partial=True),
+    ],
+    torch.ops.dtorch_train.embedding_rows_backward.default: [
+        Sample((rand(5, 3, 4), _IDX, rand(7, 4), -1, False), no_partial=True),
+        Sample((rand(5, 3, 4), _IDX, rand(7, 4), 2, False), no_partial=True),
+        Sample((rand(5, 3, 4), _IDX, rand(7, 4), 4, True), no_partial=True),
     ],
     aten.nll_loss_backward.default: [
         _nll((5, 4), 4, MEAN, weighted=False),

@@ -295,3 +295,22 @@ def test_nll_loss_keeps_the_batch_sharded(reduction: int) -> None:
     pl = [(Shard(0), Replicate()), (Shard(0), Replicate()), (R, R)]
     plan = check_sample(torch.ops.aten.nll_loss_forward.default, sample, (2, 2), pl)
     assert plan.match.in_targets[:2] == ((Shard(0), R), (Shard(0), R))
+
+
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)], ids=["3", "2x2"])
+def test_vocab_parallel_embedding_gradient_is_born_sharded(mesh_shape: tuple[int, ...]) -> None:
+    """The weight gradient of a vocab-parallel embedding is computed on each rank's rows: it comes out ``S(0)``
+    with no hook to move it (uneven rows, padding index, frequency scaling)."""
+    from torch_dtorch.placement_rules.backward_embedding import vocab_parallel_embedding
+
+    mesh = init_mesh(mesh_shape)
+    torch.manual_seed(0)
+    w0, ids = torch.randn(11, 4), torch.randint(0, 11, (5, 3))
+    for padding_idx, scale in ((None, False), (3, True)):
+        ref = w0.clone().requires_grad_()
+        F.embedding(ids, ref, padding_idx, scale_grad_by_freq=scale).pow(2).sum().backward()
+        w = dt.distribute_tensor(w0, mesh, [R] * (len(mesh_shape) - 1) + [Shard(0)]).requires_grad_()
+        out = vocab_parallel_embedding(dt.distribute_tensor(ids, mesh), w, padding_idx, scale)
+        out.pow(2).sum().backward()
+        assert w.grad.placements == w.placements
+        torch.testing.assert_close(w.grad.full_tensor(), ref.grad)

@@ -45,6 +45,7 @@ from torch_dtorch.nn._layout import (
     set_axis_placement,
 )
 from torch_dtorch.placement import Placement, Replicate, Shard
+from torch_dtorch.placement_rules.backward_embedding import vocab_parallel_embedding
 
 __all__ = [
     "ColumnParallelLinear",
@@ -305,6 +306,8 @@ class Embedding(_TPLayer):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = self._prepare_input(ids)
+        if self.tp_shard_type == "row":  # vocab parallel: the weight gradient is computed on each rank's rows
+            return self._prepare_output(vocab_parallel_embedding(ids, self.weight, None, False))
         return self._prepare_output(F.embedding(ids, self.weight))
 
     def extra_repr(self) -> str:

@@ -16,6 +16,7 @@ style's axis holds that tensor, so the global batch is ``n`` x local); declared 
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PlacementError
 from torch_dtorch.nn._layout import AxisRef, distribute_param, set_axis_placement
 from torch_dtorch.placement import Placement, Replicate, Shard
+from torch_dtorch.placement_rules.backward_embedding import vocab_parallel_embedding
 
 log = logging.getLogger("torch_dtorch.nn")
 
@@ -173,6 +175,9 @@ class RowParallel(LayerStyle):
         else:
             raise NotImplementedError(f"{what}: row parallelism supports nn.Linear and nn.Embedding only")
         _place_params(module, axis, layouts, fqn=fqn, state_dict=state_dict)
+        if isinstance(module, nn.Embedding) and module.max_norm is None and not module.sparse:
+            # vocab parallel: the weight gradient is computed on each rank's rows (not the whole [V, D])
+            module.forward = types.MethodType(_vocab_parallel_forward, module)  # type: ignore[method-assign]
         module.register_forward_pre_hook(_input_hook(axis, self.input_layout, desired, what))
         module.register_forward_hook(_output_hook(axis, self.output_layout, what))
         return module
@@ -192,6 +197,10 @@ class SequenceParallel(LayerStyle):
         seq = Shard(self.sequence_dim)
         module.register_forward_pre_hook(_input_hook(axis, seq, seq, what))
         return module
+
+
+def _vocab_parallel_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    return vocab_parallel_embedding(input, self.weight, self.padding_idx, self.scale_grad_by_freq)
 
 
 def _layouts(xs: Any) -> tuple[Placement | None, ...]:

@@ -11,6 +11,7 @@ from torch_dtorch.placement_rules import families as _families  # noqa: E402,F40
 from torch_dtorch.placement_rules import backward as _backward  # noqa: E402,F401  (autograd's overloads)
 from torch_dtorch.placement_rules import complex_views as _complex_views  # noqa: E402,F401
 from torch_dtorch.placement_rules import loss_nll as _loss_nll  # noqa: E402,F401
+from torch_dtorch.placement_rules import backward_embedding as _backward_embedding  # noqa: E402,F401
 
 # isort: on
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
