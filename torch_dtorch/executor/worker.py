@@ -42,8 +42,9 @@ _UNRESOLVED: Any = object()
 #: the worst case)
 _MAX_RESOLVED = 16384
 
-#: handlers of instruction types defined outside this module (e.g. the compile backend's program replay):
-#: ``type -> handler(worker, instr)``; filled by :func:`register_instruction` at import
+#: the handler of every instruction type, ``type -> handler(worker, instr)``: the built-in ones (methods of
+#: :class:`Worker`) and those defined elsewhere (e.g. the compile backend's program replay); filled by
+#: :func:`register_instruction` at import
 _HANDLERS: dict[type, Callable[[Worker, Any], None]] = {}
 
 
@@ -152,47 +153,53 @@ class Worker:
                 chain.flush()
 
     def execute(self, instr: Instruction) -> None:
-        """Execute one instruction if it concerns this device (never raises: failures become sticky errors)."""
-        t = type(instr)
-        if t is RunOp and self._replay_op(instr):  # type: ignore[arg-type]
+        """Execute one instruction if it concerns this device (never raises: failures become sticky errors). One
+        table lookup: :data:`_HANDLERS` holds the handler of every instruction type, these of this class included."""
+        handler = _HANDLERS.get(type(instr))
+        if handler is None:
+            log.error("worker %d: unknown instruction %r", self.device, instr)
             return
-        if t is RunOp or t is Redistribute:
-            assert isinstance(instr, (RunOp, Redistribute))
-            node = instr.node
-            if node.assign is None or self.device not in node.assign.devices:
-                return
+        handler(self, instr)
+
+    # --- the handlers of the built-in instructions (registered below the class) ---------------------------------
+    def _on_run_op(self, instr: RunOp) -> None:
+        if self._replay_op(instr):
+            return
+        node = instr.node
+        if node.assign is None or self.device not in node.assign.devices:
+            return
+        self.executed += 1
+        self.kernel.run_op(node, instr=instr, call_site=self._call_site(instr))
+
+    def _on_redistribute(self, instr: Redistribute) -> None:
+        node = instr.node
+        if node.assign is None or self.device not in node.assign.devices:
+            return
+        self.executed += 1
+        self.kernel.run_redistribute(node, instr=instr, call_site=self._call_site(instr))
+
+    def _on_fast_run(self, instr: FastRun) -> None:
+        if not self._replay(instr):
+            for part in instr.expand():
+                self.execute(part)
+
+    def _on_free(self, instr: Free) -> None:
+        pop = self.blobs.pop
+        for i in instr.operand_ids:
+            pop(i, None)
+
+    def _on_upload(self, instr: Upload) -> None:
+        if self.kernel.holds(instr.operand):
             self.executed += 1
-            run = self.kernel.run_op if t is RunOp else self.kernel.run_redistribute
-            run(node, instr=instr, call_site=self._call_site(instr))
-        elif t is FastRun:
-            assert isinstance(instr, FastRun)
-            if not self._replay(instr):
-                for part in instr.expand():
-                    self.execute(part)
-        elif t is Free:
-            assert isinstance(instr, Free)
-            pop = self.blobs.pop
-            for i in instr.operand_ids:
-                pop(i, None)
-        elif t is Upload:
-            assert isinstance(instr, Upload)
-            if self.kernel.holds(instr.operand):
-                self.executed += 1
-                self._upload(instr)
-        elif t is Fetch:
-            assert isinstance(instr, Fetch)
-            if self.device in instr.devices:
-                self.executed += 1
-                self._fetch(instr)
-        elif t is Barrier:
-            assert isinstance(instr, Barrier)
-            self._barrier(instr)
-        else:
-            handler = _HANDLERS.get(t)
-            if handler is None:
-                log.error("worker %d: unknown instruction %r", self.device, instr)
-            else:
-                handler(self, instr)
+            self._upload(instr)
+
+    def _on_fetch(self, instr: Fetch) -> None:
+        if self.device in instr.devices:
+            self.executed += 1
+            self._fetch(instr)
+
+    def _on_barrier(self, instr: Barrier) -> None:
+        self._barrier(instr)
 
     def forget_resolved(self) -> None:
         """Drop every resolved call (their native handles go back to the native loop)."""
@@ -365,6 +372,18 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"Worker({self.device}, {self.torch_device}, {len(self.blobs)} blobs)"
+
+
+for _cls, _handler in (
+    (RunOp, Worker._on_run_op),
+    (Redistribute, Worker._on_redistribute),
+    (FastRun, Worker._on_fast_run),
+    (Free, Worker._on_free),
+    (Upload, Worker._on_upload),
+    (Fetch, Worker._on_fetch),
+    (Barrier, Worker._on_barrier),
+):
+    register_instruction(_cls)(_handler)
 
 
 if __name__ == "__main__":  # a cluster-mode worker process: ``python -m torch_dtorch.executor.worker --help``
