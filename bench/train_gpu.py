@@ -159,7 +159,7 @@ def run_fresh(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[st
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=None, help="default 2048; 16 with --tiny")
@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU: every path runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     args.seq = args.seq or (16 if args.tiny else 2048)
     args.dtype = getattr(torch, args.dtype)
@@ -199,7 +199,8 @@ def main() -> None:
         ratio = f"{r['step_s'] / base:.3f}" if base else "-"
         print(f"| {mode} | {r['step_s'] * 1e3:.1f} | {ratio} | {r['peak_gib']:.2f} | {r['loss']:.5f} |")
     print("| dtorch-compiled | n/a | - | - | compiled training is not built yet |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
