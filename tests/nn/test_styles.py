@@ -64,3 +64,31 @@ def test_plan_patterns_layer_classes_and_tied_params() -> None:
         torch.testing.assert_close(
             model(dt.distribute_tensor(x, mesh)).full_tensor(), ref(x), rtol=1e-5, atol=1e-5
         )
+
+
+class _TwoInputs(nn.Module):
+    def forward(self, x: torch.Tensor, *, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, y + 1
+
+
+def test_plain_inputs_declared_sharded_are_local_shards() -> None:
+    """As upstream (``DTensor.from_local`` on every rank): a plain tensor declared ``Shard(d)`` is each rank's local
+    shard, so the global tensor holds n copies along d; declared ``Replicate`` it is the global value; a dtorch input
+    is always global."""
+    mesh = init_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    m = _TwoInputs()
+    style = PrepareModuleInput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        input_kwarg_layouts={"y": Replicate()},
+        desired_input_kwarg_layouts={"y": Shard(0)},
+    )
+    dnn.parallelize_module(m, mesh["tp"], {"": style})
+    x, y = torch.randn(3, 4), torch.randn(4, 5)
+    out_x, out_y = m(x, y=y)
+    assert tuple(out_x.shape) == (3, 8) and out_x.placements == (Replicate(), Replicate())
+    torch.testing.assert_close(out_x.full_tensor(), torch.cat([x, x], dim=1) * 2)
+    assert tuple(out_y.shape) == (4, 5) and out_y.placements == (Replicate(), Shard(0))
+    torch.testing.assert_close(out_y.full_tensor(), y + 1)
+    xd = dt.distribute_tensor(x, mesh)  # already global: unchanged shape
+    assert tuple(m(xd, y=y)[0].shape) == (3, 4)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_dtorch.api import from_local
+from torch_dtorch.api import distribute_tensor, from_local
 from torch_dtorch.device.autograd import match_grad_placements
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PlacementError
@@ -77,20 +77,19 @@ def _what(module: nn.Module, fqn: str, style: Any) -> str:
     return f"{type(style).__name__} on {fqn or '<root>'} ({type(module).__name__})"
 
 
-def _plain_input_as_local(t: Any, axis: AxisRef, declared: Placement | None, what: str) -> Any:
+def _plain_input_as_local(
+    t: Any, axis: AxisRef, declared: Placement | None, desired: Placement | None, what: str
+) -> Any:
     """A plain torch tensor whose ``input_layouts`` say ``Shard(d)`` (or ``Partial``) is, as upstream, the LOCAL
     shard of every rank of the style's axis (upstream's ``DTensor.from_local(x, mesh, input_layouts)`` on each rank
     of an SPMD program, where every rank passes its own tensor): the global tensor is ``n`` copies along ``d`` (the
     global batch is ``n`` x local). Other values pass through unchanged (a dtorch tensor is already global; a
-    ``Replicate`` declaration distributes the tensor as it is)."""
-    if (
-        not isinstance(t, torch.Tensor)
-        or is_dtorch(t)
-        or declared is None
-        or isinstance(declared, Replicate)
-        or torch.compiler.is_compiling()
-    ):
+    ``Replicate`` declaration distributes the tensor as it is). An input with no desired layout is left alone."""
+    if desired is None or not isinstance(t, torch.Tensor) or is_dtorch(t) or torch.compiler.is_compiling():
         return t
+    if declared is None or isinstance(declared, Replicate):
+        # the global value, Replicate on every axis (then converted to the desired layout by the caller)
+        return distribute_tensor(t, axis.root, list(axis.placements(_R)))
     if isinstance(declared, Shard) and not -t.ndim <= declared.dim < t.ndim:
         raise PlacementError(
             f"{what}: input_layouts {declared} is out of range for the {t.ndim}-d input of shape {tuple(t.shape)}"
@@ -116,7 +115,7 @@ def _input_hook(
     def hook(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if not args:
             return None
-        first = _plain_input_as_local(args[0], axis, declared, what)
+        first = _plain_input_as_local(args[0], axis, declared, desired, what)
         first = set_axis_placement(first, axis, desired, what=what, declared=declared)
         return (first, *args[1:])
 
@@ -238,13 +237,13 @@ class PrepareInput(LayerStyle):
             for i, want in enumerate(desired):
                 if i < len(new_args):
                     decl = declared[i] if declared else None
-                    x = _plain_input_as_local(new_args[i], axis, decl, f"{what} input {i}")
+                    x = _plain_input_as_local(new_args[i], axis, decl, want, f"{what} input {i}")
                     new_args[i] = set_axis_placement(x, axis, want, what=f"{what} input {i}", declared=decl)
             new_kwargs = dict(kwargs)
             for k, want in kw_desired.items():
                 if k in new_kwargs:
                     decl = kw_declared.get(k)
-                    x = _plain_input_as_local(new_kwargs[k], axis, decl, f"{what} input {k!r}")
+                    x = _plain_input_as_local(new_kwargs[k], axis, decl, want, f"{what} input {k!r}")
                     new_kwargs[k] = set_axis_placement(
                         x, axis, want, what=f"{what} input {k!r}", declared=decl
                     )
