@@ -96,7 +96,7 @@ def synchronize(device: str) -> None:
 def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, float]:
     import torch_dtorch as dt
 
-    model = build(args)
+    model: Any = build(args)
     inputs: Any = ids
     sync: Callable[[], None] = lambda: synchronize(args.device)  # noqa: E731
     if mode == "inductor":
@@ -130,7 +130,7 @@ def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str
         return loss.detach()
 
     first = step()
-    first_loss = float(first.full_tensor() if mode.startswith("dtorch") else first)
+    first_loss = float(dt.to_torch(first) if mode.startswith("dtorch") else first)
     for _ in range(args.warmup - 1):
         step()
     sync()
