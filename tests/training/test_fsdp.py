@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import torch_dtorch as dt
+from tests.eager.conftest import thread_only
 from tests.training.conftest import init_mesh
 from tests.training.models import MLP, TinyLM, assert_grads_close, assert_params_close, twin
 from torch_dtorch import Replicate, Shard
@@ -81,3 +82,37 @@ def test_fully_shard_errors() -> None:
     model = dt.fully_shard(MLP(), mesh["dp"])
     with pytest.raises(MeshError, match="already fully sharded"):
         dt.fully_shard(model, mesh["dp"])
+
+
+@thread_only  # counts the workers' blobs
+def test_reshard_after_forward_frees_gathered_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``reshard_after_forward`` the gathered parameters (and the views autograd saves, ``weight.t()``) are
+    dropped after the forward and gathered again in backward; the gradients are the same."""
+    import gc
+
+    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.nn import fsdp
+
+    regathered = []
+    real_unpack = fsdp._unpack
+    monkeypatch.setattr(fsdp, "_unpack", lambda x: (regathered.append(type(x).__name__), real_unpack(x))[1])
+    mesh = init_mesh((2,), mesh_dim_names=("dp",))
+    workers = {d: w for d, w in get_runtime().executor.runner.workers.items() if d in mesh.devices}
+    x = torch.randn(6, 6)
+    live, grads = {}, {}
+    for reshard in (False, True):
+        torch.manual_seed(0)
+        model = dt.fully_shard(MLP(dim=6, hidden=64, out=40), mesh, reshard_after_forward=reshard)
+        regathered.clear()
+        y = model(dt.distribute_tensor(x, mesh, [Shard(0)]))
+        gc.collect()
+        dt.sync()
+        live[reshard] = sum(b.tensor.numel() for b in workers[0].blobs.values() if b.tensor is not None)
+        y.pow(2).sum().backward()
+        grads[reshard] = [p.grad.full_tensor() for p in model.parameters()]
+        assert ("_Resharded" in regathered) == reshard
+        del model, y
+        gc.collect()
+    assert live[True] < live[False] - 64 * 6, live  # at least the gathered in_proj weight is gone
+    for a, b in zip(grads[False], grads[True], strict=True):
+        torch.testing.assert_close(a, b)

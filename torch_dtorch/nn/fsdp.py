@@ -11,10 +11,15 @@ For use, a forward pre-hook all-gathers the module's parameters on the dp axis (
 In backward, the gathered parameters' gradients — ``Partial`` over dp when the batch is sharded on dp — are
 reduce-scattered into ``Shard(0)`` by the redistribute's backward, so ``param.grad`` is sharded like the parameter.
 
+``reshard_after_forward=True`` (the default, as upstream): while the module's forward runs, a
+``saved_tensors_hooks`` pair replaces every tensor autograd saves that is a gathered parameter — or a chain of views
+of one (``weight.t()`` saved by ``linear``) — by a reference to the sharded parameter; backward gathers it again
+(and replays the views) when it needs it. So the gathered parameters die after the forward and only the shards stay
+alive between forward and backward. A saved tensor *computed* from a gathered parameter (a dtype cast) is kept as is.
+``False`` keeps the gathered parameters saved until backward (no second all-gather). Under ``torch.no_grad`` they are
+freed right after the module's forward either way.
+
 Differences from upstream FSDP2 (documented in docs/training.md):
-- ``reshard_after_forward``: the gathered parameters autograd saves for backward stay alive until backward frees
-  them (upstream frees them after forward and gathers again in backward). Under ``torch.no_grad`` they are freed
-  right after the module's forward.
 - Inputs are not converted: pass dtorch tensors with the batch sharded on dp (``dt.distribute_tensor(x, mesh,
   [Shard(0), ...])``); a plain torch tensor mixed with dtorch parameters is a ``DeviceMismatchError``.
 - No mixed precision policy, no CPU offload, no prefetching knobs: the workers run asynchronously already.
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -33,7 +38,8 @@ from torch_dtorch.api import redistribute
 from torch_dtorch.device.autograd import match_grad_placements
 from torch_dtorch.device.kernels import operand_of
 from torch_dtorch.device.tensors import is_dtorch
-from torch_dtorch.errors import MeshError
+from torch_dtorch.errors import DTorchError, MeshError
+from torch_dtorch.graph import ViewInfo
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.nn._layout import AxisRef, distribute_param
 from torch_dtorch.placement import Placement, Replicate, Shard, placements_str
@@ -54,6 +60,51 @@ class FSDPState:
     slots: list[tuple[nn.Module, str]] = field(default_factory=list)
     #: the sharded parameters, keyed like ``slots`` (restored after forward)
     saved: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
+    reshard_after_forward: bool = True
+    #: the gathered operands' ids of the running forward (removed from :data:`_GATHERED` after it)
+    gathered_ids: list[int] = field(default_factory=list)
+    #: the ``saved_tensors_hooks`` context of the running forward
+    hooks: Any = None
+
+
+class _Resharded(NamedTuple):
+    """What autograd keeps instead of a gathered parameter (or a view of one): gathered again in backward."""
+
+    param: torch.Tensor
+    root: DeviceMesh
+    placements: tuple[Placement, ...]
+    views: tuple[ViewInfo, ...]
+
+
+#: gathered operand id -> (sharded parameter, root mesh, gathered placements), during the forwards that run
+_GATHERED: dict[int, tuple[torch.Tensor, DeviceMesh, tuple[Placement, ...]]] = {}
+
+
+def _pack(t: torch.Tensor) -> Any:
+    if not _GATHERED or not is_dtorch(t):
+        return t
+    try:
+        op = operand_of(t)
+    except DTorchError:
+        return t
+    chain: list[ViewInfo] = []
+    while op.id not in _GATHERED:
+        if op.base is None or op.view is None:
+            return t
+        chain.append(op.view)
+        op = op.base
+    param, root, placements = _GATHERED[op.id]
+    return _Resharded(param, root, placements, tuple(reversed(chain)))
+
+
+def _unpack(x: Any) -> torch.Tensor:
+    if not isinstance(x, _Resharded):
+        return x
+    with torch.no_grad():
+        t = redistribute(x.param.detach(), x.root, list(x.placements))
+        for v in x.views:
+            t = v.op(t, *v.args)  # type: ignore[operator]
+    return t
 
 
 def _sharded_placements(p: torch.Tensor, axis: AxisRef) -> tuple[DeviceMesh, list[Placement]]:
@@ -112,10 +163,8 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: b
         raise MeshError(
             f"fully_shard: pass the data-parallel axis as a 1-d mesh (mesh['dp']), got {mesh!r} with {mesh.ndim} axes"
         )
-    if not reshard_after_forward:
-        log.debug("fully_shard: reshard_after_forward=False is the behaviour in training anyway")
     axis = AxisRef(mesh, 0, what="fully_shard")
-    state = FSDPState(axis)
+    state = FSDPState(axis, reshard_after_forward=reshard_after_forward)
     done: dict[int, nn.Parameter] = {}
     for owner, name, p in _managed(module):
         new = done.get(id(p))
@@ -143,10 +192,18 @@ def _gather_hook(state: FSDPState):  # noqa: ANN202
                 continue
             full = gathered.get(id(p))
             if full is None:
-                full = gathered[id(p)] = redistribute(p, state.axis.root, _gathered_placements(p, state.axis))
+                placements = _gathered_placements(p, state.axis)
+                full = gathered[id(p)] = redistribute(p, state.axis.root, placements)
+                if state.reshard_after_forward and torch.is_grad_enabled():
+                    gid = operand_of(full).id
+                    _GATHERED[gid] = (p, state.axis.root, tuple(placements))
+                    state.gathered_ids.append(gid)
             state.saved[(id(owner), name)] = p
             del owner._parameters[name]
             object.__setattr__(owner, name, full)
+        if state.gathered_ids and state.hooks is None:
+            state.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            state.hooks.__enter__()
         return None
 
     return hook
@@ -154,6 +211,12 @@ def _gather_hook(state: FSDPState):  # noqa: ANN202
 
 def _restore_hook(state: FSDPState):  # noqa: ANN202
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if state.hooks is not None:
+            state.hooks.__exit__(None, None, None)
+            state.hooks = None
+        for gid in state.gathered_ids:
+            _GATHERED.pop(gid, None)
+        state.gathered_ids.clear()
         for owner, name in state.slots:
             p = state.saved.pop((id(owner), name), None)
             if p is None:
