@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import torch_dtorch as dt
 from tests.training.conftest import init_mesh
-from tests.training.models import assert_params_close, twin
+from tests.training.models import assert_grads_close, assert_params_close, twin
 from torch_dtorch import Replicate, Shard
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
@@ -59,3 +59,26 @@ def test_llama_for_causal_lm_dp_tp_training() -> None:
     assert (
         q.placements == (Replicate(), Shard(0)) and q.grad is not None and q.grad.placements == q.placements
     )
+
+
+@pytest.mark.parametrize("axis", ["cp", "ulysses"])
+def test_llama_for_causal_lm_sequence_sharded_gradients(axis: str) -> None:
+    """Input ids sharded on the sequence of a context-parallel mesh: loss and gradients equal torch's (with grad,
+    attention runs in its math form on dtorch tensors, so k/v are gathered, not ring/Ulysses)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg)
+    mesh = init_mesh((2,), mesh_dim_names=(axis,))
+    model = dt.nn.replicate_module(twin(ref), mesh)
+    dt.match_grad_placements(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    sharded = dt.distribute_tensor(ids, mesh, [Shard(1)])
+    loss = model(input_ids=sharded, labels=sharded).loss
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss.detach().full_tensor(), want.detach(), atol=1e-5, rtol=1e-5)
+    assert_grads_close(model.named_parameters(), ref.named_parameters())
