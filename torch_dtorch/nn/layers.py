@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_dtorch.api import distribute_tensor
 from torch_dtorch.device.autograd import match_grad_placements
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PlacementError
@@ -75,6 +76,14 @@ class _TPLayer(nn.Module):
     strict: bool
 
     def _prepare_input(self, x: Any) -> Any:
+        if (
+            self.input_layout is not None
+            and isinstance(x, torch.Tensor)
+            and not is_dtorch(x)
+            and not torch.compiler.is_compiling()
+        ):
+            # a plain tensor is the global value: distributed Replicate first, so the input layout applies to it
+            x = distribute_tensor(x, self.axis.root, list(self.axis.placements(_R)))
         return set_axis_placement(
             x, self.axis, self.input_layout, what=f"{type(self).__name__}", strict=self.strict
         )
