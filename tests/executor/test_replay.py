@@ -13,7 +13,7 @@ from torch_dtorch import Replicate, Shard
 from torch_dtorch.config import get_config
 from torch_dtorch.device.state import get_runtime
 from torch_dtorch.graph import Operand
-from torch_dtorch.placement_rules import get_rule
+from torch_dtorch.placement_rules import LocalContext, OpCall, get_rule
 from torch_dtorch.runtime.blob import KernelError
 from torch_dtorch.runtime.native_replay import extension as native_extension
 from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
@@ -25,10 +25,20 @@ def _operand(i: int) -> Operand:
     return Operand(i, (4, 4), torch.float32, None, None, None, None, [], None, None, False, None, None)
 
 
+def _resolve(
+    op: object, args: tuple[object, ...], kwargs: dict[str, object], inputs: list[Operand]
+) -> object:
+    call = OpCall(op, args, kwargs, list(inputs), None, [None] * len(inputs))
+    ctx = LocalContext(
+        device=0, coordinate=(), in_shapes=[x.shape for x in inputs], out_shapes=[], out_offsets=[]
+    )
+    return resolve(get_rule(op), call, ctx)
+
+
 def test_resolve_a_pointwise_op() -> None:
     a, b = _operand(1), _operand(2)
-    call = resolve(get_rule(aten.add.Tensor), aten.add.Tensor, (a, b), {"alpha": 2}, [a, b])
-    assert call is not None and call is not AMBIGUOUS
+    call = _resolve(aten.add.Tensor, (a, b), {"alpha": 2}, [a, b])
+    assert isinstance(call, LocalCall)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     torch.testing.assert_close(call.run([x, y])[0], x + 2 * y)
     # the same plan on swapped operands: positions come from the slots, not from the first call's tensors
@@ -37,14 +47,27 @@ def test_resolve_a_pointwise_op() -> None:
 
 def test_one_operand_in_two_slots_is_not_cached() -> None:
     a = _operand(1)
-    assert resolve(get_rule(aten.add.Tensor), aten.add.Tensor, (a, a), {}, [a, a]) is AMBIGUOUS
+    assert _resolve(aten.add.Tensor, (a, a), {}, [a, a]) is AMBIGUOUS
 
 
 def test_rules_with_their_own_local_kernel_are_not_resolved() -> None:
     a = _operand(1)
-    rule = get_rule(aten.view.default)  # its localize names the local sizes
-    assert not rule.runs_op_as_is
-    assert resolve(rule, aten.view.default, (a, [16]), {}, [a]) is None
+    rule = get_rule(aten.dropout.default)  # draws the global mask and keeps the rank's slice
+    assert not rule.kernel_is_op(aten.dropout.default)
+    assert _resolve(aten.dropout.default, (a, 0.5, True), {}, [a]) is None
+    assert not get_rule(aten.to.device).kernel_is_op(aten.to.device)  # names the rank's device
+
+
+def test_a_reshape_resolves_with_its_localized_sizes() -> None:
+    """``reshape`` localizes its sizes for the rank once; the replay uses them."""
+    x = Operand(1, (8, 4), torch.float32, None, None, None, None, [], None, None, False, None, None)
+    call = OpCall(aten.reshape.default, (x, [32]), {}, [x], None, [None])
+    call.out_meta = get_rule(aten.reshape.default).infer_meta(call)
+    ctx = LocalContext(device=0, coordinate=(), in_shapes=[(8, 4)], out_shapes=[(32,)], out_offsets=[(0,)])
+    local = resolve(get_rule(aten.reshape.default), call, ctx)
+    assert isinstance(local, LocalCall)
+    t = torch.randn(8, 4)
+    torch.testing.assert_close(local.run([t])[0], t.view(32))
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from torch_dtorch.executor.messages import (
     Upload,
 )
 from torch_dtorch.graph import Operand
+from torch_dtorch.placement_rules import OpCall
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.kernel import Kernel, PoisonBoard, kernel_hooks
 from torch_dtorch.runtime.native_replay import NativeChain
@@ -218,8 +219,7 @@ class Worker:
             plan,
             plan.rule,
             plan.op,
-            lambda: run.args if run.args is not None else plan.args_of(run.inputs),
-            plan.kwargs,
+            lambda: plan.call(run.args if run.args is not None else plan.args_of(run.inputs), run.inputs),
             run.inputs,
             run.outputs,
             plan.assign.devices,
@@ -233,13 +233,11 @@ class Worker:
         if instr.replay_key is None:
             return False
         node = instr.node
-        call = node.payload.call
         return self._replay_call(
             instr.replay_key,
             node.payload.rule,
             node.op,
-            lambda: call.args,
-            call.kwargs,
+            lambda: node.payload.call,
             node.inputs,
             node.outputs,
             node.assign.devices if node.assign is not None else (),
@@ -252,8 +250,7 @@ class Worker:
         key: Any,
         rule: Any,
         op: Any,
-        args: Callable[[], tuple[Any, ...]],
-        kwargs: dict[str, Any],
+        call_of: Callable[[], OpCall],
         inputs: list[Operand | None],
         outputs: list[Operand],
         devices: tuple[int, ...],
@@ -266,26 +263,12 @@ class Worker:
             return False
         if self.device not in devices:
             return True
-        local_call = self._resolved.get(key, _UNRESOLVED)
-        if local_call is _UNRESOLVED:
-            local_call = resolve(rule, op, args(), kwargs, inputs, native=self._chain is not None)
-            if local_call is AMBIGUOUS:
-                return False
-            if len(self._resolved) >= _MAX_RESOLVED:
-                self.forget_resolved()  # keys are plans and decoded templates; a long run may make many
-            self._resolved[key] = local_call
-        if local_call is None or not rule.runs_op_as_is:  # (a rule patched at run time: tests, tools)
+        # (a rule patched at run time — tests, tools — takes the general path)
+        if not rule.kernel_is_op(op) or "localize" in vars(rule):
             return False
-        if chain is not None:
-            if local_call.native >= 0:
-                ids = [x.id for x in inputs if x is not None]
-                if chain.add(local_call.native, op, ids, [o.id for o in outputs], call_site):
-                    self.executed += 1
-                    self.replayed += 1
-                    return True
-                return False  # an input the chain cannot take (poisoned, missing): the general path
-            if len(chain):
-                chain.flush()
+        local_call = self._resolved.get(key, _UNRESOLVED)
+        if local_call is None:
+            return False
         blobs = self.blobs
         ins: list[Blob | None] = []
         for x in inputs:
@@ -296,6 +279,27 @@ class Worker:
             if b is None or b.error is not None:
                 return False  # the general path makes (or passes on) the sticky error
             ins.append(b)
+        if local_call is _UNRESOLVED:
+            call = call_of()
+            ctx = self.kernel.local_context(call, outputs, [b.tensor if b is not None else None for b in ins])
+            local_call = resolve(rule, call, ctx, native=self._chain is not None)
+            if local_call is AMBIGUOUS:
+                return False
+            if len(self._resolved) >= _MAX_RESOLVED:
+                self.forget_resolved()  # keys are plans and decoded templates; a long run may make many
+            self._resolved[key] = local_call
+            if local_call is None:
+                return False
+        if chain is not None:
+            if local_call.native >= 0:
+                ids = [x.id for x in inputs if x is not None]
+                if chain.add(local_call.native, op, ids, [o.id for o in outputs], call_site):
+                    self.executed += 1
+                    self.replayed += 1
+                    return True
+                return False  # an input the chain cannot take: the general path
+            if len(chain):
+                chain.flush()
         self.executed += 1
         self.replayed += 1
         self.kernel.run_resolved(local_call, ins, outputs, op=op, call_site=call_site)

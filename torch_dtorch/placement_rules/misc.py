@@ -104,6 +104,9 @@ class CopyRule(OpRule):
     def localize(self, call: OpCall, ctx: LocalContext) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return call.args, local_kwargs(call.kwargs)
 
+    def kernel_is_op(self, op: Any) -> bool:
+        return op is not aten.to.device and "kernel" not in vars(self)  # to.device names the rank's device
+
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if call.op is aten.to.device:
             if len(args) > 1:

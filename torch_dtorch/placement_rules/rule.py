@@ -150,17 +150,11 @@ class OpRule:
         generate the global tensor and keep the rank's slice, so results equal single-device torch)."""
         return call.op(*args, **kwargs)
 
-    @property
-    def runs_op_as_is(self) -> bool:
-        """The local kernel is the op itself on the shards of the global arguments (default :meth:`localize` and
-        :meth:`kernel`): a worker may resolve such a call once and replay it (``runtime/replay.py``)."""
-        cls, own = type(self), vars(self)
-        return (
-            cls.localize is OpRule.localize
-            and cls.kernel is OpRule.kernel
-            and "kernel" not in own
-            and "localize" not in own
-        )
+    def kernel_is_op(self, op: Any) -> bool:
+        """The local kernel of ``op`` is the op itself on the localized arguments (the default :meth:`kernel`): a
+        worker may resolve such a call once — :meth:`localize` included, whose result depends only on what a
+        fast-path plan fixes (layouts, shapes, constants) and the rank — and replay it (``runtime/replay.py``)."""
+        return type(self).kernel is OpRule.kernel and "kernel" not in vars(self)
 
     def assign(self, call: OpCall) -> AssignInfo:
         devices = tuple(call.mesh.devices) if call.mesh is not None else ()
@@ -212,12 +206,8 @@ class FunctionRule(OpRule):
             return self._kernel(call, ctx, args, kwargs)
         return super().kernel(call, ctx, args, kwargs)
 
-    @property
-    def runs_op_as_is(self) -> bool:
-        own = vars(self)
-        return (
-            self._localize is None and self._kernel is None and "kernel" not in own and "localize" not in own
-        )
+    def kernel_is_op(self, op: Any) -> bool:
+        return self._kernel is None and "kernel" not in vars(self)
 
     def cost(self, call: OpCall) -> OperatorCost:
         if self._cost is not None:

@@ -196,6 +196,36 @@ def _swap(a: Any, by_operand: dict[int, torch.Tensor | None]) -> Any:
     return a
 
 
+def local_context(
+    call: OpCall,
+    coordinate: Coord,
+    mesh_shape: Sequence[int],
+    in_shapes: list[tuple[int, ...] | None],
+    placements_out: Sequence[Placements],
+    *,
+    device: int = -1,
+    torch_device: torch.device | None = None,
+    comm: Any = None,
+    seq: int | None = None,
+) -> LocalContext:
+    """What ``OpRule.localize`` and the rule's kernel know about one rank of ``call`` (see :func:`run_rank`)."""
+    mesh_shape = tuple(mesh_shape)
+    outs = [
+        cached_local_shape_and_offset(tuple(m.shape), mesh_shape, tuple(pl), tuple(coordinate))
+        for m, pl in zip(call.out_meta, placements_out)
+    ]
+    return LocalContext(
+        device=device,
+        coordinate=coordinate,
+        in_shapes=in_shapes,
+        out_shapes=[shape for shape, _ in outs],
+        out_offsets=[offset for _, offset in outs],
+        comm=comm,
+        seq=seq,
+        torch_device=torch_device,
+    )
+
+
 def run_rank(
     rule: Any,
     call: OpCall,
@@ -217,20 +247,16 @@ def run_rank(
     default device, so ops whose schema takes a ``device`` get the rank's explicitly, and rule kernels find it in
     ``LocalContext.torch_device``. ``comm`` (workers): the rank's communicator, for kernels that communicate
     (``LocalContext.comm``), ``seq`` the call's number (``LocalContext.seq``)."""
-    mesh_shape = tuple(mesh_shape)
-    outs = [
-        cached_local_shape_and_offset(tuple(m.shape), mesh_shape, tuple(pl), tuple(coordinate))
-        for m, pl in zip(call.out_meta, placements_out)
-    ]
-    ctx = LocalContext(
+    ctx = local_context(
+        call,
+        coordinate,
+        mesh_shape,
+        [tuple(t.shape) if t is not None else None for t in local],
+        placements_out,
         device=device,
-        coordinate=coordinate,
-        in_shapes=[tuple(t.shape) if t is not None else None for t in local],
-        out_shapes=[shape for shape, _ in outs],
-        out_offsets=[offset for _, offset in outs],
+        torch_device=torch_device,
         comm=comm,
         seq=seq,
-        torch_device=torch_device,
     )
     by_operand = {id(x): t for x, t in zip(call.inputs, local, strict=True) if x is not None}
     args, kwargs = rule.localize(call, ctx)

@@ -28,6 +28,8 @@ import torch
 from torch_dtorch.graph import Operand, Operator
 from torch_dtorch.graph.operator import op_name
 from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement_rules.call import LocalContext
+from torch_dtorch.placement_rules.simulate import local_context
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.local import kernel_needs_comm, local_shape, run_local
 from torch_dtorch.runtime.replay import LocalCall
@@ -162,6 +164,23 @@ class Kernel:
                 "local shape", self.device, f"{operand.describe()} does not live on this device"
             )
         return local_shape(operand.shape, info.shape, operand.root_placements, info.coord)
+
+    def local_context(
+        self, call: Any, outputs: Sequence[Operand], local: Sequence[torch.Tensor | None]
+    ) -> LocalContext:
+        """This rank's :class:`LocalContext` of ``call`` (``local``: its input shards), as the local path makes it."""
+        info = self.mesh_info(call.mesh)
+        assert info.coord is not None
+        return local_context(
+            call,
+            info.coord,
+            info.shape,
+            [tuple(t.shape) if t is not None else None for t in local],
+            [o.root_placements for o in outputs],
+            device=self.device,
+            torch_device=None if self.torch_device.type == "cpu" else self.torch_device,
+            comm=self.comm,
+        )
 
     def holds(self, operand: Operand) -> bool:
         """Whether ``operand`` lives on this device."""

@@ -1,14 +1,15 @@
 """A fast-path op resolved once on a worker, replayed cheaply on every later hit (issue 20, item 1, Python path).
 
 The eager fast path sends the same :class:`~torch_dtorch.executor.fast.FastPlan` for every call of one op on one
-input layout. When the plan's rule runs the op as it is on the shards (default ``localize`` and ``kernel``: pointwise
-ops, matmuls, most reductions), nothing of the general local path depends on the call beyond which blobs go into which
-argument positions: :func:`resolve` records that once as a :class:`LocalCall` — the op handle, the argument template,
-the positions of the tensor slots — and :meth:`LocalCall.run` replays it on the worker's blobs: no ``Operator``, no
-``LocalContext``, no localize, no argument walk.
+input layout. When the plan's rule runs the op itself on the localized arguments (the default ``kernel``: pointwise
+ops, matmuls, reductions, views, conversions), nothing of the general local path depends on the call beyond which
+blobs go into which argument positions — ``localize`` depends only on what the plan fixes (layouts, shapes,
+constants) and the rank. :func:`resolve` records it once as a :class:`LocalCall` — the op handle, the localized
+argument template, the positions of the tensor slots — and :meth:`LocalCall.run` replays it on the worker's blobs:
+no ``Operator``, no ``LocalContext``, no localize, no argument walk.
 
-A call that cannot be resolved (custom kernels, arguments that name sizes, nested tensor lists, kernels that
-communicate, factories that take a ``device``) is ``None``: the worker runs it on the general path, as before.
+A call that cannot be resolved (custom kernels, nested tensor lists such as ``cat``'s, kernels that communicate,
+factories that take a ``device``) is ``None``: the worker runs it on the general path, as before.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from typing import Any, NamedTuple
 import torch
 
 from torch_dtorch.graph import Operand
+from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.simulate import takes_device
 from torch_dtorch.runtime.native_replay import native_handle
 
 __all__ = ["AMBIGUOUS", "LocalCall", "resolve"]
+
+_NESTED = (Operand, list, tuple, dict)
 
 #: :func:`resolve` could not tell this call's argument positions from its slots; another call of the plan may
 AMBIGUOUS: Any = object()
@@ -48,22 +52,18 @@ class LocalCall(NamedTuple):
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def resolve(
-    rule: Any,
-    op: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    inputs: Sequence[Operand | None],
-    *,
-    native: bool = False,
-) -> LocalCall | None:
-    """The :class:`LocalCall` of ``op(*args, **kwargs)`` (global arguments, operands in place) under ``rule``;
-    ``None`` when the general local path is needed for every call of this op and layout, :data:`AMBIGUOUS` when
-    this call alone cannot be resolved. ``native``: also resolve it for the native loop (``LocalCall.native``)."""
-    if not getattr(rule, "runs_op_as_is", False) or takes_device(op):
+def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False) -> LocalCall | None:
+    """The :class:`LocalCall` of ``call`` on the rank ``ctx`` describes: the rule's localized arguments (operands in
+    place) with the shards of the inputs put in their slots. ``None`` when the general local path is needed for every
+    call of this op and layout, :data:`AMBIGUOUS` when this call alone cannot be resolved. ``native``: also resolve it
+    for the native loop (``LocalCall.native``)."""
+    op, inputs = call.op, call.inputs
+    if not rule.kernel_is_op(op) or takes_device(op):
         return None
+    args, kwargs = rule.localize(call, ctx)
     for v in kwargs.values():
-        if type(v) is Operand or type(v) in (list, tuple, dict):
+        t = type(v)
+        if t is Operand or t is dict or (t in (list, tuple) and any(type(e) in _NESTED for e in v)):
             return None
     slot_of = {id(x): k for k, x in enumerate(inputs) if x is not None}
     if len(slot_of) != sum(x is not None for x in inputs):
