@@ -56,14 +56,15 @@ def test_sequence_parallel_example_local_input() -> None:
         "in_proj": ColwiseParallel(input_layouts=Shard(0)),
         "out_proj": RowwiseParallel(output_layouts=Shard(0)),
     }
-    model = dt.parallelize_module(twin(ref), mesh, plan)
-    dt.match_grad_placements(model)  # the replicated norm's gradient is Partial until reduced
+    model = dt.parallelize_module(twin(ref), mesh, plan)  # (it makes gradients arrive in the params' placements)
     local = torch.rand(4, 6)
     out = model(local)
     assert tuple(out.shape) == (8, 5) and out.placements == (Shard(0),)
     out.sum().backward()
     ref(torch.cat([local, local])).sum().backward()
     assert_grads_close(model.named_parameters(), ref.named_parameters())
+    for name, p in model.named_parameters():  # the replicated norm's gradient is reduced, not left Partial
+        assert p.grad.placements == p.placements, name
 
 
 def test_sequence_parallel_norm_plain_input() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch_dtorch.device.autograd import match_grad_placements
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.mesh import DeviceMesh
@@ -125,6 +126,7 @@ def parallelize_module(
             ours.apply(sub, axis, fqn=fqn, state_dict=state_dict)
     if replicate_rest:
         replicate_module(module, device_mesh.root, state_dict=state_dict)
+    match_grad_placements(module)  # gradients arrive in their parameters' placements (Partial reduced)
     return module
 
 
@@ -154,6 +156,7 @@ def replicate_module(
                 done[key] = distribute_param(b, root, rep, name=full, state_dict=state_dict)
             persistent = bname not in getattr(sub, "_non_persistent_buffers_set", set())
             sub.register_buffer(bname, done[key], persistent=persistent)
+    match_grad_placements(module)
     return module
 
 
