@@ -110,22 +110,11 @@ class BackwardNotSupportedError(NoRuleError):
         self.op = op
 
 
-def _oom_base() -> type[RuntimeError]:
-    import torch
+def __getattr__(name: str) -> object:
+    # DeviceMemoryError subclasses torch.OutOfMemoryError: it lives in errors_oom.py so that importing this module
+    # does not import torch (heartbeat-only worker processes start without it)
+    if name == "DeviceMemoryError":
+        from torch_dtorch.errors_oom import DeviceMemoryError
 
-    return torch.OutOfMemoryError
-
-
-class DeviceMemoryError(DTorchError, _oom_base()):  # type: ignore[misc]
-    """An allocation a rule planned (factory, upload, op output, redistribute buffer) does not fit in its devices'
-    free memory: raised on the controller before anything is sent (``torch.OutOfMemoryError``, so code that
-    catches that catches this). ``op``, ``need_bytes``, ``free_bytes`` and ``pool`` say what, how much and where."""
-
-    def __init__(
-        self, message: str, *, op: str = "", need_bytes: int = 0, free_bytes: int = 0, pool: str = ""
-    ) -> None:
-        super().__init__(message)
-        self.op = op
-        self.need_bytes = need_bytes
-        self.free_bytes = free_bytes
-        self.pool = pool
+        return DeviceMemoryError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch_dtorch.errors import DeviceMemoryError
+from torch_dtorch.errors_oom import DeviceMemoryError
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement import Shard, local_shape_and_offset
 
