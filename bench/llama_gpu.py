@@ -206,6 +206,7 @@ def _run_variant(
             torch._dynamo.reset()
     import torch_dtorch as dt
     from torch_dtorch.apps.llama import parallelize_llama
+    from torch_dtorch.backend import dtorch_backend
     from torch_dtorch.nn import init_empty_weights
 
     sim = name == "dtorch-tp2-sim"
@@ -230,7 +231,7 @@ def _run_variant(
         torch.cuda.empty_cache()
     if name == "dtorch-compile":
         options: dict[str, Any] | None = {"worker_compiler": "inductor"} if device.type == "cuda" else None
-        model.forward = torch.compile(model.forward, backend="dtorch", options=options)
+        model.forward = torch.compile(model.forward, backend=dtorch_backend, options=options)
     try:
         return _measure(name, model, args, device, want, on_dtorch=True)
     finally:

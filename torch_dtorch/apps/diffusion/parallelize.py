@@ -34,6 +34,7 @@ from torch import nn
 
 import torch_dtorch as dt
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
+from torch_dtorch.backend import dtorch_backend
 from torch_dtorch.backend.place import mesh_key, place
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PipelineParallelError
@@ -394,7 +395,7 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
     )
     if config.compile:
         options = config.compile_options(mesh.device_type)
-        runner.compiled = torch.compile(runner.base_forward, backend="dtorch", options=options)
+        runner.compiled = torch.compile(runner.base_forward, backend=dtorch_backend, options=options)
     if family.embed_module is not None and plan.cp:
         _shard_sequence_after(transformer.get_submodule(family.embed_module), plan)
     transformer._dtorch_runner = runner

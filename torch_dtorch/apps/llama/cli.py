@@ -131,6 +131,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     import torch_dtorch as dt
+    from torch_dtorch.backend import dtorch_backend
 
     names, sizes = tuple(args.mesh), tuple(args.mesh.values())
     mesh = dt.init_device_mesh(
@@ -139,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, tokenizer = _load(args, mesh)
     if args.compile:
-        model.forward = torch.compile(model.forward, backend="dtorch")
+        model.forward = torch.compile(model.forward, backend=dtorch_backend)
     t_load = time.perf_counter() - t0
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     call: dict[str, Any] = {
