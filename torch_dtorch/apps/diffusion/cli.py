@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch_dtorch.apps.cli_args import add_mesh_arguments, mesh_parser
+
 __all__ = ["add_parser", "main", "parse_mesh"]
 
 log = logging.getLogger(__name__)
@@ -24,20 +26,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"cp=2,tp=1,cfg=1"`` -> ``{"cp": 2}`` (axes of size 1 dropped; order kept); ``{"cp": 1}`` if all are 1."""
-    axes: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, size = part.partition("=")
-        if not sep or not size.strip().isdigit() or int(size) < 1:
-            raise argparse.ArgumentTypeError(
-                f"--mesh: expected NAME=SIZE[,NAME=SIZE...], got {part!r} in {text!r}"
-            )
-        if name.strip() in axes:
-            raise argparse.ArgumentTypeError(f"--mesh: axis {name.strip()!r} given twice in {text!r}")
-        axes[name.strip()] = int(size)
-    kept = {k: v for k, v in axes.items() if v > 1}
-    return kept or {next(iter(axes), "cp"): 1}
+#: ``"cp=2,tp=1,cfg=1"`` -> ``{"cp": 2}`` (axes of size 1 dropped; order kept); ``{"cp": 1}`` if all are 1
+parse_mesh = mesh_parser(axes=None, all_ones=None)
 
 
 def add_parser(sub: Any) -> None:
@@ -50,20 +40,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--model", choices=("flux", "sd3"), default="flux", help="pipeline family (default flux)")
     p.add_argument("--model-path", type=Path, default=None, help="diffusers-format folder on local disk")
-    p.add_argument(
-        "--mesh",
-        type=parse_mesh,
-        default=parse_mesh("cp=2"),
-        help="mesh axes NAME=SIZE: cfg, cp (or ulysses and ring with --cp-mode both), tp (default cp=2)",
-    )
-    p.add_argument("--cp-mode", choices=("ulysses", "ring", "both"), default="ulysses")
-    p.add_argument(
-        "--mode", choices=("thread", "process"), default="thread", help="worker threads or processes"
-    )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--simulate", action="store_true", help="CUDA: every rank on one GPU")
-    p.add_argument(
-        "--compile", action="store_true", help='transformer through torch.compile(backend="dtorch")'
+    add_mesh_arguments(
+        p,
+        parse=parse_mesh,
+        default="cp=2",
+        mesh_help="mesh axes NAME=SIZE: cfg, cp (or ulysses and ring with --cp-mode both), tp (default cp=2)",
+        compile_help='transformer through torch.compile(backend="dtorch")',
     )
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weights and activations")
     p.add_argument("--vae-tiling", action="store_true", help="decode the latents tile by tile")

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch_dtorch.apps.cli_args import add_mesh_arguments, mesh_parser
+
 __all__ = ["add_parser", "main", "parse_mesh"]
 
 log = logging.getLogger(__name__)
@@ -24,23 +26,9 @@ log = logging.getLogger(__name__)
 _AXES = ("dp", "tp", "pp", "cp")
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"dp=1,tp=2,pp=2,cp=1"`` -> ``{"tp": 2, "pp": 2}`` (axes of size 1 dropped, order kept; ``{"dp": 1}`` when
-    every axis is 1)."""
-    axes: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, size = (s.strip() for s in part.partition("="))
-        if not sep or not size.isdigit() or int(size) < 1:
-            raise argparse.ArgumentTypeError(
-                f"--mesh: expected NAME=SIZE[,NAME=SIZE...], got {part!r} in {text!r}"
-            )
-        if name not in _AXES:
-            raise argparse.ArgumentTypeError(f"--mesh: unknown axis {name!r}; use {', '.join(_AXES)}")
-        if name in axes:
-            raise argparse.ArgumentTypeError(f"--mesh: axis {name!r} given twice in {text!r}")
-        axes[name] = int(size)
-    kept = {k: v for k, v in axes.items() if v > 1}
-    return kept or {"dp": 1}
+#: ``"dp=1,tp=2,pp=2,cp=1"`` -> ``{"tp": 2, "pp": 2}`` (axes of size 1 dropped, order kept; ``{"dp": 1}`` when
+#: every axis is 1)
+parse_mesh = mesh_parser(axes=_AXES, all_ones="dp")
 
 
 def add_parser(sub: Any) -> None:
@@ -52,19 +40,13 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model-path", type=Path, default=None, help="local Hugging Face model folder")
-    p.add_argument(
-        "--mesh",
-        type=parse_mesh,
-        default=parse_mesh("tp=2"),
-        help="axes NAME=SIZE of dp, tp, pp, cp (default tp=2)",
+    add_mesh_arguments(
+        p,
+        parse=parse_mesh,
+        default="tp=2",
+        mesh_help="axes NAME=SIZE of dp, tp, pp, cp (default tp=2)",
+        compile_help='forward through torch.compile(backend="dtorch")',
     )
-    p.add_argument("--cp-mode", choices=("ulysses", "ring", "both"), default="ulysses")
-    p.add_argument(
-        "--mode", choices=("thread", "process"), default="thread", help="worker threads or processes"
-    )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--simulate", action="store_true", help="CUDA: every rank on one GPU")
-    p.add_argument("--compile", action="store_true", help='forward through torch.compile(backend="dtorch")')
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="tiny model dtype"
     )
