@@ -56,7 +56,9 @@ def test_sequence_parallel_example_local_input() -> None:
         "in_proj": ColwiseParallel(input_layouts=Shard(0)),
         "out_proj": RowwiseParallel(output_layouts=Shard(0)),
     }
-    model = dt.parallelize_module(twin(ref), mesh, plan)  # (it makes gradients arrive in the params' placements)
+    model = dt.parallelize_module(
+        twin(ref), mesh, plan
+    )  # (it makes gradients arrive in the params' placements)
     local = torch.rand(4, 6)
     out = model(local)
     assert tuple(out.shape) == (8, 5) and out.placements == (Shard(0),)
