@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import torch_dtorch as dt
 from tests.training.conftest import init_mesh
 from tests.training.models import assert_grads_close, assert_params_close, twin
 from torch_dtorch import Replicate, Shard
+from torch_dtorch.apps.llama.parallelize import llama_tp_plan
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
 
-PLAN = {
-    "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-    "model.layers.*.mlp.up_proj": ColwiseParallel(),
-    "model.layers.*.mlp.down_proj": RowwiseParallel(),
-    "lm_head": ColwiseParallel(output_layouts=Replicate()),
-}
+PLAN = llama_tp_plan()  # the Llama app's upstream (torchtitan) plan
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, opt: torch.optim.Optimizer) -> torch.Tensor:

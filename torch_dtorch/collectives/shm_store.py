@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from torch_dtorch._proc import pid_alive
 from torch_dtorch.collectives.errors import TensorStoreError, TensorStoreTimeout
 from torch_dtorch.collectives.store import StoreKey, TensorStore, _check_key
 
@@ -275,16 +276,6 @@ class ShmTensorStore(TensorStore):
                     pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale(prefix: str = DEFAULT_PREFIX, *, base: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove this user's session directories ``<base>/<prefix>-<pid>-*`` whose owner process no longer runs;
     returns the removed paths. Safe to call at start-up of every controller."""
@@ -305,7 +296,7 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX, *, base: str | os.PathLike[str] 
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
             continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or _alive(int(pid_text)):
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or pid_alive(int(pid_text)):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(Path(entry.path))

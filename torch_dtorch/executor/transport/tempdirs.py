@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torch_dtorch._proc import pid_alive
+
 __all__ = [
     "cleanup_stale_dirs",
     "owner_pid",
@@ -50,24 +52,6 @@ def owner_pid(path: str | os.PathLike[str]) -> int | None:
     """The owner pid in the name of a directory made by :func:`private_dir`; ``None`` for any other path."""
     m = _NAME.match(Path(path).name)
     return int(m.group(1)) if m else None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not: it is dead, only not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: str, pid: int, *, wait_s: float = 0.0) -> bool:
