@@ -23,6 +23,9 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
     mp = pytest.MonkeyPatch()
     # not what this module tests: on the shared 2-core CI machine a loaded worker can miss the 1 s default
     mp.setenv("DTORCH_HEARTBEAT_TIMEOUT_S", "10")
+    # nor is the controller's silence: it compiles with the GIL held for seconds, and workers that hear nothing for
+    # DTORCH_CONTROLLER_TIMEOUT_S (1.5 s) leave (a fresh-clone make test lost an SD3 run that way)
+    mp.setenv("DTORCH_CONTROLLER_TIMEOUT_S", "30")
     dt.shutdown()  # a thread pool of an earlier module
     try:
         yield dt.init_device_mesh("cpu", (request.param,), mode="process")

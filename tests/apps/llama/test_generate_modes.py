@@ -56,6 +56,8 @@ def test_process_mode_compiled_generate(monkeypatch: pytest.MonkeyPatch) -> None
     # workers compiling on a loaded 2-core machine (CI runs two test processes) can miss 1 s of heartbeats: this
     # test is about compiled generation, not failure detection (tests/cluster covers that)
     monkeypatch.setenv("DTORCH_HEARTBEAT_TIMEOUT_S", "30")
+    # the compiling controller is silent for seconds too
+    monkeypatch.setenv("DTORCH_CONTROLLER_TIMEOUT_S", "30")
     dt.shutdown()
     torch._dynamo.reset()
     model = parallelize_llama(fresh_model(), make_mesh({"tp": 2}, mode="process"))
