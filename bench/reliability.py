@@ -370,8 +370,8 @@ def flood(messages: int) -> tuple[int, int]:
     """Badly signed messages to the controller: (counted, controller heap growth in bytes)."""
     import zmq
 
-    from torch_dtorch.executor.transport import MessageKind
-    from torch_dtorch.executor.transport.wire import encode
+    from torch_dtorch.cluster.transport import MessageKind
+    from torch_dtorch.cluster.transport.wire import encode
 
     mesh = dt.init_device_mesh("cpu", (2,), mode="process")
     x = dt.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])

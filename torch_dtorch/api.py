@@ -18,7 +18,7 @@ from torch_dtorch.mesh import DeviceMesh, current_mesh
 from torch_dtorch.placement import Placement, Replicate, local_shape_and_offset, normalize_placements
 
 if TYPE_CHECKING:
-    from torch_dtorch.executor.cluster_protocol import ClusterConfig
+    from torch_dtorch.cluster.protocol import ClusterConfig
 
 __all__ = [
     "distribute_tensor",
@@ -58,7 +58,7 @@ def init_device_mesh(
 
     ``mode``: ``"thread"`` (default; workers are threads of this process) or ``"process"`` (one worker process per
     device, local or remote: see ``docs/cluster.md``); default ``DTORCH_MODE``. ``cluster``: a
-    :class:`~torch_dtorch.executor.cluster_protocol.ClusterConfig` for process mode (default: the
+    :class:`~torch_dtorch.cluster.protocol.ClusterConfig` for process mode (default: the
     ``DTORCH_CLUSTER_*`` environment variables); giving one always starts a fresh pool.
     """
     ensure_registered()

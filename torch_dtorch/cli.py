@@ -45,8 +45,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    # Contract with torch_dtorch/executor/worker_main.py: ``serve(...) -> int`` (one worker process per device).
-    from torch_dtorch.executor.worker_main import serve
+    # Contract with torch_dtorch/cluster/worker/cli.py: ``serve(...) -> int`` (one worker process per device).
+    from torch_dtorch.cluster.worker.cli import serve
 
     return serve(
         controller=args.controller,

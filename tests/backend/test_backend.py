@@ -304,7 +304,7 @@ def test_load_program_codec_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch_dtorch.backend import runtime
     from torch_dtorch.backend.local import build_local_program
     from torch_dtorch.backend.program import LoadProgram, RunProgram
-    from torch_dtorch.executor.codec import BatchDecoder, BatchEncoder
+    from torch_dtorch.cluster.codec import BatchDecoder, BatchEncoder
 
     sent: list[object] = []
     real_submit = runtime._submit

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import torch_dtorch as dt
-from torch_dtorch.executor.cluster_runner import ClusterRunner
+from torch_dtorch.cluster.runner import ClusterRunner
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by worker processes: tiny kernels, 2 shared cores
 

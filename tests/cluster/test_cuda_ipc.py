@@ -18,9 +18,9 @@ import torch
 
 import torch_dtorch as dt
 from torch_dtorch import Replicate, Shard
-from torch_dtorch.device.state import get_runtime
-from torch_dtorch.executor import cluster_ipc
-from torch_dtorch.executor.cluster_ipc import (
+from torch_dtorch.cluster import ipc as cluster_ipc
+from torch_dtorch.cluster.heartbeat import WorkerLostError
+from torch_dtorch.cluster.ipc import (
     CudaIpcError,
     IpcAck,
     IpcOutbox,
@@ -28,14 +28,14 @@ from torch_dtorch.executor.cluster_ipc import (
     parse_ack,
     parse_fields,
 )
-from torch_dtorch.executor.cluster_joins import Member
-from torch_dtorch.executor.cluster_protocol import ClusterConfig
-from torch_dtorch.executor.cluster_runner import ClusterRunner
-from torch_dtorch.executor.cluster_startup import member_welcome
-from torch_dtorch.executor.cluster_store import Route, choose_route, tensor_route
-from torch_dtorch.executor.heartbeat import WorkerLostError
-from torch_dtorch.executor.transport import MessageKind
-from torch_dtorch.executor.transport.wire import decode, encode
+from torch_dtorch.cluster.joins import Member
+from torch_dtorch.cluster.protocol import ClusterConfig
+from torch_dtorch.cluster.runner import ClusterRunner
+from torch_dtorch.cluster.startup import member_welcome
+from torch_dtorch.cluster.store import Route, choose_route, tensor_route
+from torch_dtorch.cluster.transport import MessageKind
+from torch_dtorch.cluster.transport.wire import decode, encode
+from torch_dtorch.device.state import get_runtime
 
 MiB = 1 << 20
 
@@ -272,7 +272,7 @@ def test_worker_lost_before_copying_leaves_no_gpu_memory_held() -> None:
 def test_a_handle_that_cannot_be_opened_is_resent_through_host_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torch_dtorch.executor import cluster_runner
+    from torch_dtorch.cluster import runner as cluster_runner
 
     def fail(raw: object, **kw: object) -> torch.Tensor:
         raise CudaIpcError("planted: cannot open", opened=False)

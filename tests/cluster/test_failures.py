@@ -22,10 +22,10 @@ import torch
 import torch_dtorch as dt
 from tests.cluster.conftest import leftovers, owned_paths, wait_gone
 from torch_dtorch import Replicate, Shard
+from torch_dtorch.cluster.heartbeat import WorkerHangError, WorkerLostError
+from torch_dtorch.cluster.runner import ClusterRunner
 from torch_dtorch.collectives.shm_store import cleanup_stale
 from torch_dtorch.device.state import get_runtime
-from torch_dtorch.executor.cluster_runner import ClusterRunner
-from torch_dtorch.executor.heartbeat import WorkerHangError, WorkerLostError
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from torch.distributed.tensor import Shard
 
 import torch_dtorch as dt
 from tests.cluster.conftest import alive, leftovers, wait_gone
-from torch_dtorch.executor.transport import MessageKind
-from torch_dtorch.executor.transport.wire import encode
+from torch_dtorch.cluster.transport import MessageKind
+from torch_dtorch.cluster.transport.wire import encode
 
 # A tiny process-mode controller: prints its workers' pids and its own files as JSON, then "END"; it ends
 # without dt.shutdown() (argv[1] == "exit") or waits to be killed (argv[1] == "hang").

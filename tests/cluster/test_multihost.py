@@ -16,9 +16,9 @@ import torch
 
 import torch_dtorch as dt
 from torch_dtorch import Replicate, Shard
+from torch_dtorch.cluster.protocol import ClusterConfig, write_secret_file
+from torch_dtorch.cluster.runner import ClusterRunner
 from torch_dtorch.device.state import get_runtime
-from torch_dtorch.executor.cluster_protocol import ClusterConfig, write_secret_file
-from torch_dtorch.executor.cluster_runner import ClusterRunner
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import torch_dtorch as dt
 from tests.cluster.conftest import alive, leftovers, owned_paths
 from torch_dtorch import Partial, Replicate, Shard
+from torch_dtorch.cluster.runner import ClusterRunner
+from torch_dtorch.cluster.transport import MessageKind
+from torch_dtorch.cluster.transport.wire import encode
 from torch_dtorch.device.state import get_runtime
-from torch_dtorch.executor.cluster_runner import ClusterRunner
-from torch_dtorch.executor.transport import MessageKind
-from torch_dtorch.executor.transport.wire import encode
 
 
 @pytest.fixture(scope="module")

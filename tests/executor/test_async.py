@@ -11,7 +11,7 @@ import torch
 
 from tests.executor.conftest import MakeExecutor
 from torch_dtorch.executor.future import TensorFuture
-from torch_dtorch.executor.messages import RunOp
+from torch_dtorch.executor.instructions import RunOp
 from torch_dtorch.placement import Replicate, Shard
 from torch_dtorch.runtime import kernel as kernel_module
 

@@ -10,7 +10,7 @@ import torch
 
 from tests.executor.conftest import MakeExecutor
 from torch_dtorch.executor.eager import EagerGraphExecutor
-from torch_dtorch.executor.messages import Fetch
+from torch_dtorch.executor.instructions import Fetch
 from torch_dtorch.executor.thread_runner import ThreadRunner
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Replicate, Shard

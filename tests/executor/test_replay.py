@@ -149,9 +149,9 @@ def test_the_interleaved_program_on_worker_processes() -> None:
 
 
 def test_decoded_templates_carry_a_replay_key() -> None:
-    from torch_dtorch.executor.codec import BatchDecoder, BatchEncoder
-    from torch_dtorch.executor.messages import FastRun, RunOp
-    from torch_dtorch.executor.transport import wire
+    from torch_dtorch.cluster.codec import BatchDecoder, BatchEncoder
+    from torch_dtorch.cluster.transport import wire
+    from torch_dtorch.executor.instructions import FastRun, RunOp
 
     dt.shutdown()
     try:

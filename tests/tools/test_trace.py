@@ -15,7 +15,7 @@ from torch import nn
 import torch_dtorch as dt
 from tests.eager.conftest import thread_only
 from tests.tools.conftest import init_mesh
-from torch_dtorch.executor.messages import RunOp
+from torch_dtorch.executor.instructions import RunOp
 from torch_dtorch.nn.pipeline import pipeline_forward, pipeline_parallel
 from torch_dtorch.runtime import kernel as kernel_mod
 

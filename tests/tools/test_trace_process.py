@@ -20,8 +20,8 @@ import torch
 import torch_dtorch as dt
 from tests.tools.test_trace import validate_trace
 from torch_dtorch import Replicate, Shard
+from torch_dtorch.cluster.runner import ClusterRunner
 from torch_dtorch.device.state import get_runtime
-from torch_dtorch.executor.cluster_runner import ClusterRunner
 from torch_dtorch.tools import remote_profile
 from torch_dtorch.tools.spans import Span, span_from_dict, span_to_dict
 

@@ -10,11 +10,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from torch_dtorch.executor.worker import declare_worker_module
+
 if TYPE_CHECKING:
     import torch
     from torch import fx
 
 __all__ = ["dtorch_backend", "dtorch_debug_backend"]
+
+# compiled programs run through their own instructions: worker processes import their handlers when they join
+declare_worker_module("torch_dtorch.backend.program")
 
 
 def dtorch_backend(

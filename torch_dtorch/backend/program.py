@@ -370,7 +370,7 @@ def _register_codecs() -> None:
     ids; a ``LoadProgram`` carries its :class:`ProgramSource` — the mesh, the boundary operands and every operator
     (``ctx.operator``: op, constants, placements, rule by qualified name; redistributes with their plans) — and
     each worker process builds its own local program from it. Worker processes import this module at start."""
-    from torch_dtorch.executor.codec.common import CodecError, register_codec
+    from torch_dtorch.cluster.codec.common import CodecError, register_codec
 
     def enc_run(instr: RunProgram, ctx: Any) -> Any:
         return [instr.program_id, list(instr.in_ids), list(instr.out_ids), instr.call_site]

@@ -11,7 +11,7 @@ hard-link it to the final name (which fails if the key already holds a value), s
 ``pop`` claims the file by renaming it first, so exactly one process gets each value, and unlinks it.
 
 CUDA tensors are copied to the CPU on ``put`` and come back as CPU tensors (cluster mode sends CUDA tensors between
-processes of one host as CUDA IPC handles instead: :mod:`torch_dtorch.executor.cluster_ipc`; this store is their
+processes of one host as CUDA IPC handles instead: :mod:`torch_dtorch.cluster.ipc`; this store is their
 fallback); conjugate/negative views are resolved, so values round-trip bit for bit. Exceptions (a worker's sticky
 error answering a fetch) are stored as ``{type, message}`` JSON and come back as :class:`RemoteError`.
 

@@ -13,7 +13,7 @@ import torch
 from torch_dtorch.errors import DTorchError, MeshError
 
 if TYPE_CHECKING:
-    from torch_dtorch.executor.cluster_protocol import ClusterConfig
+    from torch_dtorch.cluster.protocol import ClusterConfig
     from torch_dtorch.executor.eager import EagerGraphExecutor
     from torch_dtorch.mesh import DeviceMesh
 
@@ -81,7 +81,7 @@ def _make_runner(
 ) -> Any:
     devices = list(range(num_devices))
     if mode == "process":
-        from torch_dtorch.executor.cluster_runner import ClusterRunner
+        from torch_dtorch.cluster.runner import ClusterRunner
 
         return ClusterRunner(devices, device_type=device_type, simulate=simulate, config=cluster)
     if cluster is not None:

@@ -28,8 +28,7 @@ from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
 from torch_dtorch.executor.eager_planned import PlannedRecording, user_call_site
 from torch_dtorch.executor.future import TensorFuture
-from torch_dtorch.executor.memory_check import memory_guard_for
-from torch_dtorch.executor.messages import (
+from torch_dtorch.executor.instructions import (
     Barrier,
     Fetch,
     Free,
@@ -38,6 +37,7 @@ from torch_dtorch.executor.messages import (
     RunOp,
     Upload,
 )
+from torch_dtorch.executor.memory_check import memory_guard_for
 from torch_dtorch.executor.resolver import ValueRequest, ValueResolver
 from torch_dtorch.graph import LogicalGraph, Operand, Operator
 from torch_dtorch.mesh import DeviceMesh

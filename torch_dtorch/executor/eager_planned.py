@@ -1,5 +1,5 @@
 """The eager executor's recording of planned calls: the fast path's hits (:meth:`PlannedRecording.record_fast`, one
-compact :class:`~torch_dtorch.executor.messages.FastRun` each), replays of a known plan
+compact :class:`~torch_dtorch.executor.instructions.FastRun` each), replays of a known plan
 (:meth:`PlannedRecording.call_planned`), and the freeing of the copies redistributed inputs get.
 
 A mixin of :class:`~torch_dtorch.executor.eager.EagerGraphExecutor` (its lock, pending batch and dead-operand queue);
@@ -26,7 +26,7 @@ from torch_dtorch.executor.constructor import (
     planned_outputs,
 )
 from torch_dtorch.executor.fast import FastPlan, replay_moves
-from torch_dtorch.executor.messages import FastRun, Instruction, RunOp
+from torch_dtorch.executor.instructions import FastRun, Instruction, RunOp
 from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements

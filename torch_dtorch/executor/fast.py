@@ -1,7 +1,7 @@
 """The executor's side of the eager fast path: a :class:`FastPlan` is everything decided for one op on given input
 layouts and constants (rule, redistributes of its inputs, output metadata and placements, device assignment, cost).
 
-A cache hit of :mod:`torch_dtorch.device.fastpath` records one :class:`~torch_dtorch.executor.messages.FastRun`
+A cache hit of :mod:`torch_dtorch.device.fastpath` records one :class:`~torch_dtorch.executor.instructions.FastRun`
 (plan + operands) through :meth:`~torch_dtorch.executor.eager.EagerGraphExecutor.record_fast`; the
 ``Redistribute``/``RunOp``/``Free`` instructions it stands for are only built where it is executed or encoded
 (:meth:`FastPlan.expand`), off the controller's issue path.
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_dtorch.executor.constructor import REDISTRIBUTE, BoundOp, RedistributeSpec, non_tensor_args
-from torch_dtorch.executor.messages import FastRun, Free, Instruction, Redistribute, RunOp
+from torch_dtorch.executor.instructions import FastRun, Free, Instruction, Redistribute, RunOp
 from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.graph.operand import ViewInfo
 from torch_dtorch.mesh import DeviceMesh

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torch_dtorch.executor.messages import Instruction
+from torch_dtorch.executor.instructions import Instruction
 from torch_dtorch.executor.worker import Worker
 from torch_dtorch.runtime.kernel import PoisonBoard
 from torch_dtorch.runtime.stream import KernelStream

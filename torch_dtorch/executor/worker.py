@@ -1,7 +1,7 @@
 """``Worker``: the state of one device — its blobs — and the interpreter of the instructions sent to it.
 
 A worker runs on its :class:`~torch_dtorch.runtime.stream.KernelStream` thread (thread mode) or as its own process
-(process mode: :mod:`~torch_dtorch.executor.worker_process`). It receives every batch and skips the instructions that do not concern its device.
+(process mode: :mod:`~torch_dtorch.cluster.worker.process`). It receives every batch and skips the instructions that do not concern its device.
 Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.kernel`); unrelated operands keep working.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from torch_dtorch.config import get_config
-from torch_dtorch.executor.messages import (
+from torch_dtorch.executor.instructions import (
     Barrier,
     FastRun,
     Fetch,
@@ -34,7 +34,7 @@ from torch_dtorch.runtime.native_replay import release as release_handles
 from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
 from torch_dtorch.runtime.stream import COMPUTE, KernelStream
 
-__all__ = ["Worker", "register_instruction"]
+__all__ = ["Worker", "declare_worker_module", "register_instruction", "worker_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,23 @@ _MAX_RESOLVED = 16384
 #: :class:`Worker`) and those defined elsewhere (e.g. the compile backend's program replay); filled by
 #: :func:`register_instruction` at import
 _HANDLERS: dict[type, Callable[[Worker, Any], None]] = {}
+
+
+#: modules a worker process imports before its first instruction, beyond this one: those that define instructions
+#: and their handlers above this layer (the compile backend's programs). Declared by the modules themselves at import
+#: on the controller, and sent to each worker process in its welcome, so that nothing here names a higher layer.
+_WORKER_MODULES: list[str] = []
+
+
+def declare_worker_module(name: str) -> None:
+    """Have every worker process import ``name`` (a module that registers instructions) when it joins."""
+    if name not in _WORKER_MODULES:
+        _WORKER_MODULES.append(name)
+
+
+def worker_modules() -> tuple[str, ...]:
+    """The modules declared with :func:`declare_worker_module`, in declaration order."""
+    return tuple(_WORKER_MODULES)
 
 
 def register_instruction(
@@ -388,9 +405,3 @@ for _cls, _handler in (
     (Barrier, Worker._on_barrier),
 ):
     register_instruction(_cls)(_handler)
-
-
-if __name__ == "__main__":  # a cluster-mode worker process: ``python -m torch_dtorch.executor.worker --help``
-    from torch_dtorch.executor.worker_main import run_and_exit
-
-    run_and_exit()

@@ -13,8 +13,8 @@ the controller's host measures its spans against the controller's reference dire
 after a barrier so nothing is queued in front of it) and subtracted; :attr:`WorkerClock.error` bounds it (half
 the round trip minus the worker's own handling time).
 
-Worker processes import this module at start through ``torch_dtorch/__init__`` (``tools`` -> ``trace``), so the
-codec is registered before the first batch is decoded; the handler is registered on the first decode.
+Worker processes import this module at start through ``torch_dtorch/__init__`` (``tools`` -> ``trace``), so its
+codec and handler are registered before the first batch is decoded.
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from torch_dtorch.cluster.codec.common import CodecError, register_codec
 from torch_dtorch.collectives.errors import TensorStoreTimeout
+from torch_dtorch.executor.worker import Worker, register_instruction
 from torch_dtorch.runtime.blob import KernelError
 from torch_dtorch.tools.spans import Span, SpanRecorder, span_from_dict, span_to_dict
-
-if TYPE_CHECKING:
-    from torch_dtorch.executor.worker import Worker
 
 __all__ = ["ProfileControl", "WorkerClock", "collect", "start"]
 
@@ -47,8 +46,6 @@ _IDS = itertools.count(1)
 #: the recorders of the profiles running in this (worker) process: ``worker -> {profile id: recorder}``
 _ACTIVE: weakref.WeakKeyDictionary[Worker, dict[int, SpanRecorder]] = weakref.WeakKeyDictionary()
 _POLL_S = 0.002
-_HANDLER_LOCK = threading.Lock()
-_handler_registered = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,20 +82,7 @@ def _streams_of(worker: Worker) -> Any:
     return lambda device, kind: ks.stream(kind) if device == worker.device else None
 
 
-def _ensure_handler() -> None:
-    """Register the worker-side handler (on first decode in a worker process, or the first start on the
-    controller): ``torch_dtorch.executor.worker`` is not imported when ``torch_dtorch`` is, so that a worker
-    started as ``python -m torch_dtorch.executor.worker`` does not find its own module imported already."""
-    global _handler_registered
-    with _HANDLER_LOCK:
-        if _handler_registered:
-            return
-        from torch_dtorch.executor.worker import register_instruction
-
-        register_instruction(ProfileControl)(_control)
-        _handler_registered = True
-
-
+@register_instruction(ProfileControl)
 def _control(worker: Worker, instr: ProfileControl) -> None:
     received = time.perf_counter()
     table = _ACTIVE.setdefault(worker, {})
@@ -143,7 +127,6 @@ def _control(worker: Worker, instr: ProfileControl) -> None:
 
 def start(executor: Any, t0: float) -> int:
     """Queue ``start`` on every worker (in issue order: it does not wait); the new profile's id."""
-    _ensure_handler()
     pid = next(_IDS)
     executor.append_instruction(ProfileControl("start", pid, t0=t0))
     executor.flush()
@@ -255,13 +238,10 @@ def _clock(device: int, body: dict[str, Any], sent: float, received: float, here
 
 
 def _register_codec() -> None:
-    from torch_dtorch.executor.codec.common import CodecError, register_codec
-
     def enc(instr: ProfileControl, ctx: Any) -> Any:
         return [instr.action, instr.profile_id, instr.t0, instr.key]
 
     def dec(tree: Any, ctx: Any) -> ProfileControl:
-        _ensure_handler()  # decoded in a worker process: its handler runs next
         try:
             action, pid, t0, key = tree
             return ProfileControl(str(action), int(pid), float(t0), None if key is None else int(key))
@@ -271,7 +251,4 @@ def _register_codec() -> None:
     register_codec(ProfileControl, tag="tools.profile", encode=enc, decode=dec)
 
 
-try:
-    _register_codec()
-except ImportError:  # pragma: no cover - a tree without the process-mode codec
-    log.debug("no instruction codec: worker timelines are thread-mode only")
+_register_codec()

@@ -1,0 +1,485 @@
+"""``ClusterRunner``: one worker **process** per device, local (spawned here) or remote (``dtorch worker``).
+
+Same interface as :class:`~torch_dtorch.executor.thread_runner.ThreadRunner` (``devices``, ``store``,
+``submit(batch)``, ``wait_idle``, ``shutdown``), same instructions and kernels: each worker process wraps the
+thread-mode :class:`~torch_dtorch.executor.worker.Worker`. What differs is the plumbing (see
+:mod:`~torch_dtorch.cluster.protocol` for the sockets):
+
+1. start-up (:mod:`~torch_dtorch.cluster.startup`): a per-cluster secret, a heartbeat monitor, a
+   ``TCPStore`` for the ``torch.distributed`` rendezvous, the sockets, local workers spawned, signed
+   ``JOIN``/``WELCOME``, the PUB/SUB handshake, every worker ready. Anything missing after ``start_timeout_s``
+   raises :class:`WorkerStartError` naming it.
+2. work: batches are encoded by the codec and published in order; uploads go to their worker's control socket
+   (large ones to local workers through the shared-memory store, large CUDA ones as CUDA IPC handles:
+   :mod:`~torch_dtorch.cluster.ipc`); values, barrier markers and acks come back on the PULL socket (a
+   receiver thread, which also refuses late JOINs on the control socket).
+3. failure: a worker that dies (heartbeat stream breaks, or its process exits) or stops beating for
+   ``DTORCH_HEARTBEAT_TIMEOUT_S`` fails the runner with :class:`WorkerLostError` (worker, host, last op); one busy on
+   one op beyond ``DTORCH_HANG_TIMEOUT_S`` with :class:`WorkerHangError`. Every pending and later value request
+   raises it, the other workers are shut down (no process is left behind), and the CUDA tensors held for the
+   workers' IPC handles are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import zmq
+
+from torch_dtorch.cluster.heartbeat import HeartbeatError, WorkerHangError, WorkerLostError
+from torch_dtorch.cluster.ipc import (
+    CudaIpcError,
+    IpcAck,
+    IpcOutbox,
+    ack_body,
+    is_ipc_body,
+    open_copy,
+    parse_ack,
+)
+from torch_dtorch.cluster.joins import Member, reap_local_workers
+from torch_dtorch.cluster.protocol import (
+    ClusterConfig,
+    WorkerFailedError,
+    WorkerStartError,
+    new_secret,
+    read_secret_file,
+)
+from torch_dtorch.cluster.startup import ClusterStartup
+from torch_dtorch.cluster.store import (
+    ControllerStore,
+    Route,
+    key_from_wire,
+    tensor_route,
+    value_body,
+    value_from_body,
+)
+from torch_dtorch.cluster.transport import MessageKind, TransportError
+from torch_dtorch.cluster.transport.rejects import RejectLog
+from torch_dtorch.cluster.transport.tempdirs import private_dir
+from torch_dtorch.collectives.errors import TensorStoreError
+from torch_dtorch.executor.instructions import Instruction
+from torch_dtorch.executor.memory_check import MemoryPool, host_available_bytes
+
+__all__ = ["ClusterRunner"]
+
+log = logging.getLogger(__name__)
+
+_JOIN_POLL_S = 0.05  # after start-up, the receiver thread answers late JOINs this often
+_EXIT_GRACE_S = 3.0
+
+
+class ClusterRunner(ClusterStartup):
+    """Workers as processes (see the module docstring).
+
+    Args:
+        devices: device ids (worker ranks), one process each.
+        device_type: ``"cpu"`` (Gloo) or ``"cuda"`` (NCCL; device ``i`` on ``cuda:i`` of its host).
+        simulate: every CUDA worker on ``cuda:0`` (virtual ranks).
+        validate: workers check every kernel's outputs (default: ``DTORCH_VALIDATE_KERNEL_IO``).
+        config: :class:`ClusterConfig` (default: from the ``DTORCH_CLUSTER_*`` environment variables).
+        secret: the cluster secret (default: ``config.secret_file``, else a fresh random one).
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[int],
+        *,
+        device_type: str = "cpu",
+        simulate: bool = False,
+        validate: bool | None = None,
+        config: ClusterConfig | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        from torch_dtorch.cluster.codec import BatchEncoder
+        from torch_dtorch.collectives.group import collective_timeout_s
+        from torch_dtorch.config import get_config
+
+        self.devices = tuple(int(d) for d in devices)
+        if not self.devices or len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"ClusterRunner: need distinct device ids, got {list(devices)}")
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"ClusterRunner: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+        self.device_type = device_type
+        self.simulate = simulate
+        self.config = config if config is not None else ClusterConfig.from_env()
+        cfg = get_config()
+        self.validate = cfg.validate_kernel_io if validate is None else validate
+        self._debug = cfg.debug
+        self._collective_timeout_s = collective_timeout_s()
+        if secret is None:
+            secret = read_secret_file(self.config.secret_file) if self.config.secret_file else new_secret()
+        self._secret = secret
+        self._encoder = BatchEncoder()
+        self.members = {d: Member(d) for d in self.devices}
+        self._by_id = {m.worker_id: m for m in self.members.values()}
+        self.store = ControllerStore(self._send_value, timeout_s=self._collective_timeout_s)
+        self._lock = threading.RLock()  # sends on PUB / control (and the join desk, which shares the socket)
+        self._fail_lock = threading.Lock()
+        self._acks = threading.Condition()
+        self._closed = False
+        self.failure: BaseException | None = None
+        #: messages dropped by a worker or by this controller (unsigned, tampered, replayed): a count, the latest
+        #: texts and a rate-limited log line (a flood costs neither memory nor log volume)
+        self.rejected = RejectLog(log, "ClusterRunner")
+        self._batches = 0
+        self._tmpdir = private_dir("cluster")  # 0700: private to this user; named after this pid
+        self._threads: list[threading.Thread] = []
+        self._abort: threading.Thread | None = None
+        self._monitor = None
+        self._tcp_store = None
+        self._pub = None
+        self._pull = None
+        self._control = None
+        self._desk = None
+        self._shm = None
+        #: CUDA tensors shared with workers (uploads), held until each worker acknowledged its copy
+        self._ipc = IpcOutbox()
+        #: CUDA IPC traffic: ``sent`` (uploads shared), ``received`` (fetched values opened), ``fallback``
+        self.cuda_ipc_counts: Counter[str] = Counter()
+        try:
+            self._start()
+        except BaseException:
+            self._stop_everything(graceful=False)
+            raise
+
+    # --- work ---------------------------------------------------------------------------------------------------
+    def submit(self, batch: Sequence[Instruction]) -> None:
+        """Publish ``batch`` to every worker (each runs the instructions that concern it). After a failure the
+        batch is dropped: the failure is raised by the next value request."""
+        with self._lock:
+            if self._closed or self.failure is not None:
+                if self.failure is None:
+                    raise RuntimeError("ClusterRunner: submit after shutdown()")
+                log.debug(
+                    "ClusterRunner: dropped a batch of %d after %s", len(batch), type(self.failure).__name__
+                )
+                return
+            tree = self._encoder.encode(list(batch))
+            assert self._pub is not None
+            self._batches = self._pub.send(tree, kind=MessageKind.BATCH)
+
+    def _send_value(self, device: int, key: Any, value: Any) -> None:
+        m = self.members.get(device)
+        if m is None or m.identity is None:
+            raise ValueError(f"ClusterRunner: no worker for device {device} (devices {list(self.devices)})")
+        if self.failure is not None:
+            raise self.failure
+        body = self._upload_body(m, key, value)
+        try:
+            self._send_control(m, body, kind=MessageKind.VALUE)
+        except BaseException:
+            if is_ipc_body(body):  # never sent: nobody will open it
+                self._ipc.release(IpcAck(key, ok=False, opened=False, error="not sent"))
+            raise
+
+    def _upload_body(self, m: Member, key: Any, value: Any) -> dict[str, Any]:
+        """The ``VALUE`` body of an upload to ``m``: a CUDA IPC handle, a shared-memory file or frames."""
+        threshold = self.config.shm_threshold
+        route = tensor_route(
+            value, same_host=m.local, threshold=threshold, shm=self._shm is not None, cuda_ipc=m.cuda_ipc
+        )
+        if route is Route.CUDA_IPC:
+            device = torch.device("cuda", m.cuda_index) if m.cuda_index is not None else None
+            try:
+                body = self._ipc.share(key, value, device=device)  # on the worker's GPU, held until it copied
+                self.cuda_ipc_counts["sent"] += 1
+                return body
+            except CudaIpcError as e:
+                log.warning("ClusterRunner: %s; CUDA IPC off for %s (host memory instead)", e, m.worker_id)
+                m.cuda_ipc = False
+                self.cuda_ipc_counts["fallback"] += 1
+        shm = self._shm if m.local else None
+        return value_body(key, value, shm=shm, threshold=threshold, direction="u")
+
+    def _send_control(self, m: Member, body: dict[str, Any], *, kind: MessageKind) -> None:
+        """Send ``body`` to ``m`` on its control socket (uploads, CUDA IPC acknowledgements)."""
+        assert self._desk is not None and self._control is not None and m.identity is not None
+        with self._lock:
+            if self.failure is not None:
+                raise self.failure
+            m.seq += 1
+            frames = self._desk.encode(body, kind=kind, seq=m.seq)
+            self._control.send_multipart([m.identity, *frames], copy=False)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every worker acknowledged every batch published so far (tests, benchmarks)."""
+        target = self._batches
+        with self._acks:
+            return self._acks.wait_for(
+                lambda: self.failure is not None or all(m.acked >= target for m in self.members.values()),
+                timeout,
+            )
+
+    # --- the receiver thread ------------------------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        pull, desk = self._pull, self._desk
+        assert pull is not None and desk is not None
+        next_joins = 0.0
+        while not self._closed:
+            now = time.monotonic()
+            if now >= next_joins:  # late JOINs: refused and reported (the socket is shared with uploads)
+                next_joins = now + _JOIN_POLL_S
+                with self._lock:
+                    if self._closed:
+                        return
+                    try:
+                        desk.serve(0)
+                    except zmq.ZMQError:
+                        return
+            try:
+                msg = pull.recv(_JOIN_POLL_S)
+            except TransportError as e:  # a sequence gap: replies were lost
+                if not self._closed:
+                    self._on_failure(WorkerFailedError(f"ClusterRunner: lost worker replies: {e}"))
+                return
+            except zmq.ZMQError:
+                return
+            if msg is not None:
+                self._handle(msg)
+
+    def _handle(self, msg: Any) -> None:
+        m = self._by_id.get(msg.sender)
+        if m is None:
+            self._on_reject(TransportError(f"reply from unknown sender {msg.sender!r} dropped"))
+            return
+        body = msg.body if isinstance(msg.body, dict) else {}
+        mem_free = body.get("mem_free")
+        if type(mem_free) is int and mem_free >= 0:  # the memory pre-check's figure of its device
+            m.mem_free = mem_free
+            m.mem_reports += 1
+        if msg.kind == MessageKind.VALUE:
+            try:
+                if m.local and is_ipc_body(body):
+                    kv = self._receive_ipc(m, body)
+                else:
+                    shm = self._shm if m.local else None
+                    kv = value_from_body(body, device=m.device, shm=shm, direction="f")
+            except Exception as e:  # noqa: BLE001
+                self._on_reject(TransportError(f"bad VALUE from {m.worker_id}: {e}"))
+                return
+            if kv is not None:
+                self.store.deliver(*kv)
+            if isinstance(body.get("ack"), int):  # the batch that ended with this reply is done
+                with self._acks:
+                    m.acked = body["ack"]
+                    self._acks.notify_all()
+        elif msg.kind == MessageKind.ACK:
+            if body.get("ready"):
+                m.ready = True
+                if isinstance(body.get("cuda_index"), int):
+                    m.cuda_index = body["cuda_index"]
+            elif "ipc_done" in body:
+                self._ipc_acknowledged(m, body)
+            elif isinstance(body.get("ack"), int):
+                with self._acks:
+                    m.acked = body["ack"]
+                    self._acks.notify_all()
+        elif msg.kind == MessageKind.ERROR:
+            if "rejected" in body:
+                n = body.get("count", 1)
+                self._on_reject(
+                    TransportError(f"worker {m.worker_id} dropped a message: {body['rejected']}"),
+                    count=n if type(n) is int and 0 < n < 1 << 62 else 1,
+                )
+            else:
+                err = WorkerFailedError(
+                    f"worker {m.worker_id} on host {m.host!r} failed and left the cluster: {body.get('fatal', body)}"
+                )
+                self._on_failure(err)
+
+    def _receive_ipc(self, m: Member, body: dict[str, Any]) -> tuple[Any, torch.Tensor] | None:
+        """A fetched value ``m`` shared through CUDA IPC: copied here, then acknowledged (``None``: could not
+        open it; ``m`` resends it through host memory)."""
+        key = key_from_wire(body.get("key"))
+        try:
+            value = open_copy(body["cuda_ipc"])  # a tensor of this process, on the worker's GPU
+        except CudaIpcError as e:
+            log.warning("ClusterRunner: %s; CUDA IPC off for %s (host memory instead)", e, m.worker_id)
+            m.cuda_ipc = False
+            self.cuda_ipc_counts["fallback"] += 1
+            self._send_control(m, ack_body(key, error=e), kind=MessageKind.ACK)
+            return None
+        self.cuda_ipc_counts["received"] += 1
+        self._send_control(m, ack_body(key), kind=MessageKind.ACK)
+        return key, value
+
+    def _ipc_acknowledged(self, m: Member, body: dict[str, Any]) -> None:
+        """``m`` copied an upload shared through CUDA IPC (drop it) or could not open it (resend it)."""
+        try:
+            ack = parse_ack(body)
+        except TensorStoreError as e:
+            self._on_reject(TransportError(f"bad ACK from {m.worker_id}: {e}"))
+            return
+        held = self._ipc.release(ack)
+        if ack.ok or held is None:
+            return
+        log.warning(
+            "ClusterRunner: %s could not open %r (%s); resending it through host memory",
+            m.worker_id,
+            ack.key,
+            ack.error,
+        )
+        m.cuda_ipc = False
+        self.cuda_ipc_counts["fallback"] += 1
+        try:
+            torch.cuda.synchronize(held.device)  # its copy ran on the uploading thread's stream
+            self._send_value(m.device, ack.key, held)
+        except Exception as e:  # noqa: BLE001 - the cluster failed meanwhile: the upload's reader gets that
+            log.debug("ClusterRunner: resend of %r failed: %s", ack.key, e)
+
+    def _watch_procs(self) -> None:
+        """Local workers: a process that exits without being asked is lost (faster than any heartbeat)."""
+        while not self._closed and self.failure is None:
+            m = next(
+                (m for m in self.members.values() if m.proc is not None and m.proc.poll() is not None), None
+            )
+            if m is not None and m.proc is not None and not self._closed:
+                st = self._monitor.workers().get(m.worker_id) if self._monitor is not None else None
+                code = m.proc.returncode
+                why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                reason = f"process {m.proc.pid} ended ({why})"
+                last = st.last_op if st is not None else None
+                self._on_failure(WorkerLostError(m.worker_id, host=m.host, last_op=last, reason=reason))
+                return
+            time.sleep(0.05)
+
+    def memory_pools(self) -> list[MemoryPool]:
+        """The memory the controller's pre-check watches (:mod:`~torch_dtorch.executor.memory_check`): local CPU
+        workers share this host's RAM (read here); remote CPU workers their host's, and CUDA workers their GPU's
+        (as each worker last reported it: when ready and with every value it sends)."""
+        pools: list[MemoryPool] = []
+        groups: dict[tuple[str, int | None], list[Member]] = {}
+        for m in self.members.values():
+            if self.device_type == "cpu" and m.local:
+                groups.setdefault(("", None), []).append(m)
+            else:
+                groups.setdefault((m.host, m.cuda_index if self.device_type == "cuda" else None), []).append(
+                    m
+                )
+        for (host, index), ms in groups.items():
+            devices = tuple(m.device for m in ms)
+            if self.device_type == "cpu" and not host and index is None and all(m.local for m in ms):
+                pools.append(MemoryPool("host RAM", devices, host_available_bytes))
+                continue
+            name = f"cuda:{index} of host {host!r}" if self.device_type == "cuda" else f"RAM of host {host!r}"
+            pools.append(MemoryPool(name, devices, _reported_free(ms), _report_count(ms)))
+        return pools
+
+    # --- failure ------------------------------------------------------------------------------------------------
+    def _on_reject(self, err: TransportError, *, count: int = 1) -> None:
+        self.rejected.add(str(err), kind=type(err).__name__, count=count)
+
+    def _on_failure(self, err: BaseException) -> None:
+        with self._fail_lock:  # not self._lock: a sender holding it must not delay the failure
+            if self.failure is not None or self._closed:
+                return
+            self.failure = err
+        log.error("ClusterRunner: %s; shutting the other workers down", err)
+        self.store.fail(err)
+        with self._acks:
+            self._acks.notify_all()
+        abort = threading.Thread(target=self._stop_everything, name="dtorch-cluster-abort", daemon=True)
+        abort.start()  # published once started: shutdown() may join it at any moment after
+        self._abort = abort
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.failure is not None
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    def check(self) -> None:
+        """Raise the failure that ended this cluster, if any."""
+        if self.failure is not None:
+            raise self.failure
+
+    # --- shutdown -----------------------------------------------------------------------------------------------
+    def shutdown(self, *, timeout: float = 10.0) -> None:
+        """Ask every worker to exit, wait for local processes (``timeout``), kill what is left. Idempotent."""
+        with self._lock:
+            abort = self._abort
+            closed = self._closed
+            if not closed and self.failure is None:
+                self.store.close()
+        if abort is not None and abort is not threading.current_thread():
+            abort.join(timeout + _EXIT_GRACE_S + 5.0)  # a failure is being cleaned up: wait for it
+        if not closed:
+            self._stop_everything(graceful=True, timeout=timeout)
+
+    def _stop_everything(self, *, graceful: bool = False, timeout: float = _EXIT_GRACE_S) -> None:
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            if first and self._pub is not None and self._pub.connected:
+                try:
+                    self._pub.send({}, kind=MessageKind.SHUTDOWN)
+                except TransportError:
+                    pass
+        if not first:
+            return
+        if self._monitor is not None:
+            for m in self.members.values():
+                self._monitor.forget(m.worker_id)
+        deadline = time.monotonic() + (timeout if graceful else _EXIT_GRACE_S)
+        reap_local_workers(self.members.values(), deadline)
+        dropped = self._ipc.drop(consumers_gone=True)  # after the reap: no worker can still be copying
+        if dropped:
+            log.info(
+                "ClusterRunner: dropped %d CUDA tensors shared with workers that never copied them", dropped
+            )
+        remote = [m.worker_id for m in self.members.values() if m.proc is None and m.identity is not None]
+        if self._monitor is not None:
+            # stopping the monitor cancels the streams: let remote workers see SHUTDOWN and say goodbye first
+            if remote:
+                still = self._monitor.wait_gone(remote, timeout_s=max(0.5, deadline - time.monotonic()))
+                if still:
+                    log.warning("ClusterRunner: remote workers %s did not say goodbye in time", still)
+            self._monitor.stop()  # remote workers that are still there see the controller leave and exit
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(2.0)
+        with self._lock:
+            for s in (self._pub, self._pull):
+                if s is not None:
+                    s.close()
+            if self._control is not None:
+                self._control.close(linger=0)
+        self._tcp_store = None  # closes its listening socket
+        self.store.close()
+        if self._shm is not None:
+            self._shm.close()  # the owner: removes the directory and whatever a killed worker left in it
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> ClusterRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "failed" if self.failure is not None else "closed" if self._closed else "running"
+        return f"ClusterRunner(devices={list(self.devices)}, {self.device_type}, {state})"
+
+
+def _report_count(ms: list[Member]) -> Callable[[], int]:
+    return lambda: sum(m.mem_reports for m in ms)
+
+
+def _reported_free(ms: list[Member]) -> Callable[[], int | None]:
+    def free() -> int | None:
+        figures = [m.mem_free for m in ms if m.mem_free is not None]
+        return min(figures) if figures else None
+
+    return free
+
+
+__all__ += ["HeartbeatError", "WorkerFailedError", "WorkerHangError", "WorkerLostError", "WorkerStartError"]
