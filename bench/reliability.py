@@ -83,9 +83,9 @@ def _runner() -> Any:
 
 
 def _owned_paths(r: Any) -> list[str]:
-    paths = [r._tmpdir, *(s._tmpdir for s in (r._pub, r._pull) if s is not None and s._tmpdir)]
-    if r._shm is not None:
-        paths.append(str(r._shm.path))
+    paths = [r._tmpdir, *(s._tmpdir for s in (r.net.pub, r.net.pull) if s is not None and s._tmpdir)]
+    if r.net.shm is not None:
+        paths.append(str(r.net.shm.path))
     return paths
 
 
@@ -378,7 +378,7 @@ def flood(messages: int) -> tuple[int, int]:
     r = _runner()
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
-    push.connect(r._pull.endpoint)
+    push.connect(r.net.pull.endpoint)
     bad = encode({"v": "y" * 200}, kind=MessageKind.ACK, seq=1, sender="w0", secret=b"z" * 32)
     warm = min(1000, messages // 4)
     for _ in range(warm):

@@ -38,9 +38,12 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 def owned_paths(runner: ClusterRunner) -> list[str]:
     """What ``runner`` put on disk: its shared-memory directory and its private socket directories. (Other
     engineers and CI jobs run clusters on the same machine: a global ``/dev/shm/*dtorch*`` scan is not ours.)"""
-    paths = [runner._tmpdir, *(s._tmpdir for s in (runner._pub, runner._pull) if s is not None and s._tmpdir)]
-    if runner._shm is not None:
-        paths.append(str(runner._shm.path))
+    paths = [
+        runner._tmpdir,
+        *(s._tmpdir for s in (runner.net.pub, runner.net.pull) if s is not None and s._tmpdir),
+    ]
+    if runner.net.shm is not None:
+        paths.append(str(runner.net.shm.path))
     assert all(os.path.exists(p) for p in paths), paths
     return paths
 

@@ -62,8 +62,8 @@ def fail_within(futs: list[dt.TensorFuture], error: type[Exception], t0: float, 
 def shm_leftover(runner: ClusterRunner) -> None:
     """Plant a value in the runner's shared-memory directory, as a worker killed between writing a fetched value
     and sending its message would leave it; the controller must remove it at shutdown."""
-    assert runner._shm is not None
-    runner._shm.put("f-stray", torch.ones(4))
+    assert runner.net.shm is not None
+    runner.net.shm.put("f-stray", torch.ones(4))
 
 
 def test_worker_killed_mid_batch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +90,7 @@ def test_worker_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     owned = owned_paths(runner)
     futs = busy_work(mesh, 20)
     time.sleep(0.3)
-    monitor = runner._monitor
+    monitor = runner.net.monitor
     assert monitor is not None and monitor.death_timeout_s == 1.0  # the documented default
     os.kill(pids[1], signal.SIGSTOP)
     try:
@@ -136,7 +136,7 @@ mesh = dt.init_device_mesh("cpu", (2,), mode="process")
 x = dt.distribute_tensor(torch.ones(4), mesh, [dt.Shard(0)])
 assert x.full_tensor().sum().item() == 4
 r = dt.device.state.get_runtime().executor.runner
-print(" ".join(str(m.proc.pid) for m in r.members.values()), r._shm.path, flush=True)
+print(" ".join(str(m.proc.pid) for m in r.members.values()), r.net.shm.path, flush=True)
 time.sleep(120)
 """
 

@@ -103,7 +103,7 @@ def test_signed_message_flood_is_counted_not_kept() -> None:
 
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
-    push.connect(r._pull.endpoint)
+    push.connect(r.net.pull.endpoint)
     bad = encode({"v": "y" * 200}, kind=MessageKind.ACK, seq=1, sender="w0", secret=b"z" * 32)
     before = len(r.rejected)
     try:

@@ -85,10 +85,10 @@ def test_communicating_kernel_after_a_failure_across_processes(mesh: dt.DeviceMe
 
 def test_tampered_replayed_and_unsigned_messages_are_dropped_and_reported(mesh: dt.DeviceMesh) -> None:
     r = runner()
-    assert r._pub is not None and r._pull is not None
+    assert r.net.pub is not None and r.net.pull is not None
     x = dt.distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
     sent: list[list[bytes]] = []
-    sock = r._pub._sock
+    sock = r.net.pub._sock
     orig = sock.send_multipart
     sock.send_multipart = lambda frames, **kw: (sent.append([bytes(f) for f in frames]), orig(frames, **kw))[
         1
@@ -108,8 +108,8 @@ def test_tampered_replayed_and_unsigned_messages_are_dropped_and_reported(mesh: 
         sock.send_multipart(tampered)  # bad signature
         sock.send_multipart(batch)  # valid signature, old sequence number: a replay
         unsigned = encode({}, kind=MessageKind.ACK, seq=99, sender="w0", secret=b"x" * 32)
-        push = r._pull._sock.context.socket(__import__("zmq").PUSH)
-        push.connect(r._pull.endpoint)
+        push = r.net.pull._sock.context.socket(__import__("zmq").PUSH)
+        push.connect(r.net.pull.endpoint)
         push.send_multipart(unsigned)
     deadline = time.monotonic() + 5
     while len(r.rejected) < before + 2 * 3 + 1 and time.monotonic() < deadline:
@@ -156,7 +156,7 @@ def test_mode_from_environment(monkeypatch: pytest.MonkeyPatch, mesh: dt.DeviceM
 
 def test_large_tensors_travel_through_shared_memory(mesh: dt.DeviceMesh) -> None:
     r = runner()
-    shm = r._shm
+    shm = r.net.shm
     assert shm is not None and os.path.isdir(shm.path) and r.config.shm_threshold == 1 << 20
     calls: list[tuple[str, object]] = []
     put, pop = shm.put, shm.pop

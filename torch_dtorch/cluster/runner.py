@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import zmq
 
+from torch_dtorch.cluster.codec import BatchEncoder
 from torch_dtorch.cluster.heartbeat import HeartbeatError, WorkerHangError, WorkerLostError
 from torch_dtorch.cluster.ipc import (
     CudaIpcError,
@@ -64,6 +65,8 @@ from torch_dtorch.cluster.transport import MessageKind, TransportError
 from torch_dtorch.cluster.transport.rejects import RejectLog
 from torch_dtorch.cluster.transport.tempdirs import private_dir
 from torch_dtorch.collectives.errors import TensorStoreError
+from torch_dtorch.collectives.group import collective_timeout_s
+from torch_dtorch.config import get_config
 from torch_dtorch.executor.instructions import Instruction
 from torch_dtorch.executor.memory_check import MemoryPool, host_available_bytes
 
@@ -75,7 +78,7 @@ _JOIN_POLL_S = 0.05  # after start-up, the receiver thread answers late JOINs th
 _EXIT_GRACE_S = 3.0
 
 
-class ClusterRunner(ClusterStartup):
+class ClusterRunner:
     """Workers as processes (see the module docstring).
 
     Args:
@@ -97,10 +100,6 @@ class ClusterRunner(ClusterStartup):
         config: ClusterConfig | None = None,
         secret: bytes | None = None,
     ) -> None:
-        from torch_dtorch.cluster.codec import BatchEncoder
-        from torch_dtorch.collectives.group import collective_timeout_s
-        from torch_dtorch.config import get_config
-
         self.devices = tuple(int(d) for d in devices)
         if not self.devices or len(set(self.devices)) != len(self.devices):
             raise ValueError(f"ClusterRunner: need distinct device ids, got {list(devices)}")
@@ -132,19 +131,36 @@ class ClusterRunner(ClusterStartup):
         self._tmpdir = private_dir("cluster")  # 0700: private to this user; named after this pid
         self._threads: list[threading.Thread] = []
         self._abort: threading.Thread | None = None
-        self._monitor = None
-        self._tcp_store = None
-        self._pub = None
-        self._pull = None
-        self._control = None
-        self._desk = None
-        self._shm = None
+        #: the sockets, stores and heartbeat monitor start-up opens
+        self.net = ClusterStartup(
+            devices=self.devices,
+            device_type=device_type,
+            simulate=simulate,
+            validate=self.validate,
+            debug=self._debug,
+            collective_timeout_s=self._collective_timeout_s,
+            config=self.config,
+            secret=secret,
+            tmpdir=self._tmpdir,
+            members=self.members,
+            on_failure=self._on_failure,
+            on_reject=self._on_reject,
+            on_message=self._handle,
+            failure=lambda: self.failure,
+        )
         #: CUDA tensors shared with workers (uploads), held until each worker acknowledged its copy
         self._ipc = IpcOutbox()
         #: CUDA IPC traffic: ``sent`` (uploads shared), ``received`` (fetched values opened), ``fallback``
         self.cuda_ipc_counts: Counter[str] = Counter()
         try:
-            self._start()
+            self.net.start()
+            for target, name in (
+                (self._receive_loop, "dtorch-cluster-recv"),
+                (self._watch_procs, "dtorch-cluster-procs"),
+            ):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
         except BaseException:
             self._stop_everything(graceful=False)
             raise
@@ -162,8 +178,8 @@ class ClusterRunner(ClusterStartup):
                 )
                 return
             tree = self._encoder.encode(list(batch))
-            assert self._pub is not None
-            self._batches = self._pub.send(tree, kind=MessageKind.BATCH)
+            assert self.net.pub is not None
+            self._batches = self.net.pub.send(tree, kind=MessageKind.BATCH)
 
     def _send_value(self, device: int, key: Any, value: Any) -> None:
         m = self.members.get(device)
@@ -183,7 +199,7 @@ class ClusterRunner(ClusterStartup):
         """The ``VALUE`` body of an upload to ``m``: a CUDA IPC handle, a shared-memory file or frames."""
         threshold = self.config.shm_threshold
         route = tensor_route(
-            value, same_host=m.local, threshold=threshold, shm=self._shm is not None, cuda_ipc=m.cuda_ipc
+            value, same_host=m.local, threshold=threshold, shm=self.net.shm is not None, cuda_ipc=m.cuda_ipc
         )
         if route is Route.CUDA_IPC:
             device = torch.device("cuda", m.cuda_index) if m.cuda_index is not None else None
@@ -195,18 +211,18 @@ class ClusterRunner(ClusterStartup):
                 log.warning("ClusterRunner: %s; CUDA IPC off for %s (host memory instead)", e, m.worker_id)
                 m.cuda_ipc = False
                 self.cuda_ipc_counts["fallback"] += 1
-        shm = self._shm if m.local else None
+        shm = self.net.shm if m.local else None
         return value_body(key, value, shm=shm, threshold=threshold, direction="u")
 
     def _send_control(self, m: Member, body: dict[str, Any], *, kind: MessageKind) -> None:
         """Send ``body`` to ``m`` on its control socket (uploads, CUDA IPC acknowledgements)."""
-        assert self._desk is not None and self._control is not None and m.identity is not None
+        assert self.net.desk is not None and self.net.control is not None and m.identity is not None
         with self._lock:
             if self.failure is not None:
                 raise self.failure
             m.seq += 1
-            frames = self._desk.encode(body, kind=kind, seq=m.seq)
-            self._control.send_multipart([m.identity, *frames], copy=False)
+            frames = self.net.desk.encode(body, kind=kind, seq=m.seq)
+            self.net.control.send_multipart([m.identity, *frames], copy=False)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every worker acknowledged every batch published so far (tests, benchmarks)."""
@@ -219,7 +235,7 @@ class ClusterRunner(ClusterStartup):
 
     # --- the receiver thread ------------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
-        pull, desk = self._pull, self._desk
+        pull, desk = self.net.pull, self.net.desk
         assert pull is not None and desk is not None
         next_joins = 0.0
         while not self._closed:
@@ -259,7 +275,7 @@ class ClusterRunner(ClusterStartup):
                 if m.local and is_ipc_body(body):
                     kv = self._receive_ipc(m, body)
                 else:
-                    shm = self._shm if m.local else None
+                    shm = self.net.shm if m.local else None
                     kv = value_from_body(body, device=m.device, shm=shm, direction="f")
             except Exception as e:  # noqa: BLE001
                 self._on_reject(TransportError(f"bad VALUE from {m.worker_id}: {e}"))
@@ -341,7 +357,7 @@ class ClusterRunner(ClusterStartup):
                 (m for m in self.members.values() if m.proc is not None and m.proc.poll() is not None), None
             )
             if m is not None and m.proc is not None and not self._closed:
-                st = self._monitor.workers().get(m.worker_id) if self._monitor is not None else None
+                st = self.net.monitor.workers().get(m.worker_id) if self.net.monitor is not None else None
                 code = m.proc.returncode
                 why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 reason = f"process {m.proc.pid} ended ({why})"
@@ -419,16 +435,16 @@ class ClusterRunner(ClusterStartup):
         with self._lock:
             first = not self._closed
             self._closed = True
-            if first and self._pub is not None and self._pub.connected:
+            if first and self.net.pub is not None and self.net.pub.connected:
                 try:
-                    self._pub.send({}, kind=MessageKind.SHUTDOWN)
+                    self.net.pub.send({}, kind=MessageKind.SHUTDOWN)
                 except TransportError:
                     pass
         if not first:
             return
-        if self._monitor is not None:
+        if self.net.monitor is not None:
             for m in self.members.values():
-                self._monitor.forget(m.worker_id)
+                self.net.monitor.forget(m.worker_id)
         deadline = time.monotonic() + (timeout if graceful else _EXIT_GRACE_S)
         reap_local_workers(self.members.values(), deadline)
         dropped = self._ipc.drop(consumers_gone=True)  # after the reap: no worker can still be copying
@@ -437,27 +453,25 @@ class ClusterRunner(ClusterStartup):
                 "ClusterRunner: dropped %d CUDA tensors shared with workers that never copied them", dropped
             )
         remote = [m.worker_id for m in self.members.values() if m.proc is None and m.identity is not None]
-        if self._monitor is not None:
+        if self.net.monitor is not None:
             # stopping the monitor cancels the streams: let remote workers see SHUTDOWN and say goodbye first
             if remote:
-                still = self._monitor.wait_gone(remote, timeout_s=max(0.5, deadline - time.monotonic()))
+                still = self.net.monitor.wait_gone(remote, timeout_s=max(0.5, deadline - time.monotonic()))
                 if still:
                     log.warning("ClusterRunner: remote workers %s did not say goodbye in time", still)
-            self._monitor.stop()  # remote workers that are still there see the controller leave and exit
+            self.net.monitor.stop()  # remote workers that are still there see the controller leave and exit
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(2.0)
         with self._lock:
-            for s in (self._pub, self._pull):
-                if s is not None:
-                    s.close()
-            if self._control is not None:
-                self._control.close(linger=0)
-        self._tcp_store = None  # closes its listening socket
+            self.net.close()
         self.store.close()
-        if self._shm is not None:
-            self._shm.close()  # the owner: removes the directory and whatever a killed worker left in it
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    @property
+    def control_endpoint(self) -> str:
+        """Where workers join (``dtorch worker --controller ...``)."""
+        return self.net.control_endpoint
 
     def __enter__(self) -> ClusterRunner:
         return self

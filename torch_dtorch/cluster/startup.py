@@ -1,23 +1,22 @@
-"""Start-up of a :class:`~torch_dtorch.cluster.runner.ClusterRunner` (its base class
-:class:`ClusterStartup`): everything between the constructor and the first batch.
+"""Start-up of a :class:`~torch_dtorch.cluster.runner.ClusterRunner` (its :class:`ClusterStartup`, ``runner.net``):
+everything between the constructor and the first batch, and the sockets and stores it opens.
 
 1. a heartbeat monitor, a ``TCPStore`` for the ``torch.distributed`` rendezvous, the PUB / PULL / control sockets,
    the shared-memory store of local workers;
-2. local workers are spawned (:func:`~.cluster_joins.spawn_worker`: ``subprocess``, spawn never fork, the secret
+2. local workers are spawned (:func:`~torch_dtorch.cluster.joins.spawn_worker`: ``subprocess``, spawn never fork, the secret
    through an inherited pipe); every worker (local or remote) sends a signed ``JOIN`` and receives a ``WELCOME``
    (:func:`member_welcome`: endpoints and settings, the shared-memory directory and CUDA IPC for local workers);
 3. the PUB/SUB handshake; every worker reports ready once its Gloo/NCCL world is built.
 
-Anything missing after ``start_timeout_s`` raises :class:`~.cluster_protocol.WorkerStartError` naming it. The
-running runner (batches, replies, failures, shutdown) is :mod:`.cluster_runner`; it closes whatever start-up opened,
-also when start-up fails half-way.
+Anything missing after ``start_timeout_s`` raises :class:`~torch_dtorch.cluster.protocol.WorkerStartError` naming it. The
+running runner (batches, replies, failures, shutdown) is :mod:`torch_dtorch.cluster.runner`; it calls
+:meth:`ClusterStartup.close` also when start-up fails half-way.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -62,38 +61,53 @@ def member_welcome(
 
 
 class ClusterStartup:
-    """Start-up of the cluster (see the module docstring); the base class of ``ClusterRunner``, which sets these
-    attributes in its constructor and then calls :meth:`_start`."""
+    """What start-up opens and the steps that open it (see the module docstring). Owned by a
+    :class:`~torch_dtorch.cluster.runner.ClusterRunner` (``runner.net``), which hands it the settings and its
+    handlers, calls :meth:`start`, and :meth:`close` at shutdown (also after a start-up that failed half-way)."""
 
-    devices: tuple[int, ...]
-    device_type: str
-    simulate: bool
-    validate: bool
-    config: ClusterConfig
-    members: dict[int, Member]
-    failure: BaseException | None
-    control_endpoint: str
-    _debug: bool
-    _collective_timeout_s: float
-    _secret: bytes
-    _tmpdir: str
-    _monitor: HeartbeatMonitor | None
-    _tcp_store: Any
-    _pub: Publisher | None
-    _pull: Puller | None
-    _control: zmq.Socket[bytes] | None
-    _desk: JoinDesk | None
-    _shm: ShmTensorStore | None
-    _welcome: dict[str, Any]
-    # the running runner's handlers (``ClusterRunner``)
-    _handle: Callable[[Any], None]
-    _on_failure: Callable[[BaseException], None]
-    _on_reject: Callable[[TransportError], None]
-    _receive_loop: Callable[[], None]
-    _watch_procs: Callable[[], None]
-    _threads: list[threading.Thread]
+    def __init__(
+        self,
+        *,
+        devices: tuple[int, ...],
+        device_type: str,
+        simulate: bool,
+        validate: bool,
+        debug: bool,
+        collective_timeout_s: float,
+        config: ClusterConfig,
+        secret: bytes,
+        tmpdir: str,
+        members: dict[int, Member],
+        on_failure: Callable[[BaseException], None],
+        on_reject: Callable[[TransportError], None],
+        on_message: Callable[[Any], None],
+        failure: Callable[[], BaseException | None],
+    ) -> None:
+        self.devices = devices
+        self.device_type = device_type
+        self.simulate = simulate
+        self.validate = validate
+        self.debug = debug
+        self.collective_timeout_s = collective_timeout_s
+        self.config = config
+        self.members = members
+        self._secret = secret
+        self._tmpdir = tmpdir
+        self._on_failure = on_failure
+        self._on_reject = on_reject
+        self._on_message = on_message
+        self._failure = failure
+        self.control_endpoint = ""
+        self.monitor: HeartbeatMonitor | None = None
+        self.tcp_store: Any = None
+        self.pub: Publisher | None = None
+        self.pull: Puller | None = None
+        self.control: zmq.Socket[bytes] | None = None
+        self.desk: JoinDesk | None = None
+        self.shm: ShmTensorStore | None = None
+        self.welcome: dict[str, Any] = {}
 
-    def _start(self) -> None:
+    def start(self) -> None:
         cfg = self.config
         host = cfg.bind_host()
         remote = cfg.remote
@@ -103,32 +117,32 @@ class ClusterStartup:
         if removed:
             log.info("ClusterRunner: removed %d socket directories of dead controllers", len(removed))
         # heartbeat, rendezvous store, sockets
-        self._monitor = HeartbeatMonitor(bind=f"{host}:0", on_lost=self._on_failure, on_hang=self._on_failure)
-        hb_address = self._monitor.start()
+        self.monitor = HeartbeatMonitor(bind=f"{host}:0", on_lost=self._on_failure, on_hang=self._on_failure)
+        hb_address = self.monitor.start()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.bind((host, 0))
         sock.listen(256)
         store_port = sock.getsockname()[1]
         import torch.distributed as dist
 
-        self._tcp_store = dist.TCPStore(
+        self.tcp_store = dist.TCPStore(
             host,
             store_port,
             is_master=True,
             wait_for_workers=False,
-            timeout=timedelta(seconds=self._collective_timeout_s),
+            timeout=timedelta(seconds=self.collective_timeout_s),
             master_listen_fd=sock.fileno(),
         )
         sock.detach()  # the store owns the listening fd now
         scheme: Literal["ipc", "tcp"] = "tcp" if tcp else "ipc"
         endpoint = f"tcp://{host}:*" if tcp else None
         on_reject = self._on_reject
-        self._pub = Publisher(endpoint, secret=self._secret, scheme=scheme, allow_remote=remote)
-        self._pull = Puller(
+        self.pub = Publisher(endpoint, secret=self._secret, scheme=scheme, allow_remote=remote)
+        self.pull = Puller(
             endpoint, secret=self._secret, scheme=scheme, allow_remote=remote, on_reject=on_reject
         )
         ctl: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self._control = ctl
+        self.control = ctl
         ctl.setsockopt(zmq.SNDHWM, 0)
         ctl.setsockopt(zmq.RCVHWM, 1000)  # incoming: joins only (bounded against floods)
         ctl.setsockopt(zmq.LINGER, 0)
@@ -140,10 +154,10 @@ class ClusterStartup:
             raise WorkerStartError(f"ClusterRunner: cannot bind the control endpoint {control}: {e}") from e
         self.control_endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
         self._open_shm()
-        self._welcome = {
-            "session": self._pub.session,
-            "pub": self._pub.endpoint,
-            "pull": self._pull.endpoint,
+        self.welcome = {
+            "session": self.pub.session,
+            "pub": self.pub.endpoint,
+            "pull": self.pull.endpoint,
             "heartbeat": hb_address,
             "store_host": host,
             "store_port": store_port,
@@ -153,14 +167,14 @@ class ClusterStartup:
             # NCCL refuses two ranks on one GPU: simulated CUDA ranks use host-staged Gloo
             "backend": "nccl" if self.device_type == "cuda" and not self.simulate else "gloo",
             "validate": self.validate,
-            "debug": self._debug,
-            "collective_timeout_s": self._collective_timeout_s,
+            "debug": self.debug,
+            "collective_timeout_s": self.collective_timeout_s,
             "imports": [*worker_modules(), *cfg.worker_imports],
         }
-        self._desk = JoinDesk(
+        self.desk = JoinDesk(
             ctl,
             secret=self._secret,
-            session=self._pub.session,
+            session=self.pub.session,
             members=self.members,
             welcome=self._welcome_for,
             on_reject=on_reject,
@@ -177,13 +191,6 @@ class ClusterStartup:
         self._accept_joins(deadline)
         self._handshake(deadline)
         self._wait_ready(deadline)
-        for target, name in (
-            (self._receive_loop, "dtorch-cluster-recv"),
-            (self._watch_procs, "dtorch-cluster-procs"),
-        ):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
         log.info(
             "ClusterRunner: %d workers ready in %.2f s (control %s)",
             len(self.devices),
@@ -197,7 +204,7 @@ class ClusterStartup:
             return
         try:
             cleanup_stale()
-            self._shm = ShmTensorStore(timeout_s=0)
+            self.shm = ShmTensorStore(timeout_s=0)
         except OSError as e:
             log.warning("ClusterRunner: no shared-memory store (%s): every tensor travels as ZMQ frames", e)
 
@@ -205,11 +212,11 @@ class ClusterStartup:
         cuda_ipc = self.config.cuda_ipc and self.device_type == "cuda"
         m.cuda_ipc = m.local and cuda_ipc  # until a peer fails to open a handle
         return member_welcome(
-            self._welcome, m, shm=self._shm, threshold=self.config.shm_threshold, cuda_ipc=cuda_ipc
+            self.welcome, m, shm=self.shm, threshold=self.config.shm_threshold, cuda_ipc=cuda_ipc
         )
 
     def _accept_joins(self, deadline: float) -> None:
-        desk = self._desk
+        desk = self.desk
         assert desk is not None
         while any(m.identity is None for m in self.members.values()):
             desk.check_spawned()
@@ -225,34 +232,35 @@ class ClusterStartup:
 
     def _handshake(self, deadline: float) -> None:
         """PUB/SUB handshake, in slices: a local worker that exits meanwhile fails start-up at once."""
-        assert self._pub is not None and self._pull is not None and self._desk is not None
+        assert self.pub is not None and self.pull is not None and self.desk is not None
         ids = [m.worker_id for m in self.members.values()]
         while True:
-            self._desk.check_spawned()
+            self.desk.check_spawned()
             left = deadline - time.monotonic()
             try:
-                self._pub.handshake(self._pull, workers=ids, timeout=max(0.1, min(left, 1.0)))
+                self.pub.handshake(self.pull, workers=ids, timeout=max(0.1, min(left, 1.0)))
                 return
             except HandshakeTimeoutError as e:
                 if left <= 1.0:
                     raise WorkerStartError(
                         f"ClusterRunner: PUB/SUB handshake: no acknowledgement from {list(e.missing)} within "
                         f"{self.config.start_timeout_s:g} s of start-up: check that they connect to "
-                        f"{self._pub.endpoint} and {self._pull.endpoint} with the same cluster secret"
+                        f"{self.pub.endpoint} and {self.pull.endpoint} with the same cluster secret"
                     ) from e
             except TransportError as e:
                 raise WorkerStartError(f"ClusterRunner: {e}") from e
 
     def _wait_ready(self, deadline: float) -> None:
-        pull = self._pull
+        pull = self.pull
         assert pull is not None
-        desk = self._desk
+        desk = self.desk
         assert desk is not None
         while not all(m.ready for m in self.members.values()):
             desk.check_spawned()
             desk.serve(0)
-            if self.failure is not None:
-                raise WorkerStartError(f"ClusterRunner: a worker failed during start-up: {self.failure}")
+            failure = self._failure()
+            if failure is not None:
+                raise WorkerStartError(f"ClusterRunner: a worker failed during start-up: {failure}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WorkerStartError(
@@ -261,4 +269,15 @@ class ClusterStartup:
                 )
             msg = pull.recv(min(left, POLL_S))
             if msg is not None:
-                self._handle(msg)
+                self._on_message(msg)
+
+    def close(self) -> None:
+        """Close the sockets and stores (the caller holds the send lock and has reaped the workers)."""
+        for s in (self.pub, self.pull):
+            if s is not None:
+                s.close()
+        if self.control is not None:
+            self.control.close(linger=0)
+        self.tcp_store = None  # closes its listening socket
+        if self.shm is not None:
+            self.shm.close()  # the owner: removes the directory and whatever a killed worker left in it
