@@ -13,9 +13,9 @@ from tests.collectives.util import run_ranks
 from torch_dtorch.collectives import InMemoryComm, InMemoryWorld, execute_plan
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import parse_placements
-from torch_dtorch.placement_rules.plan_sim import apply_plan
-from torch_dtorch.placement_rules.planner import plan_redistribute
-from torch_dtorch.placement_rules.simulate import distribute
+from torch_dtorch.placement_rules.ranks import distribute
+from torch_dtorch.placement_rules.redistribute.planner import plan_redistribute
+from torch_dtorch.placement_rules.redistribute.simulate import apply_plan
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,7 +19,7 @@ from torch_dtorch.collectives import (
     InMemoryWorld,
 )
 from torch_dtorch.collectives.local import chunk, reduce_tensors
-from torch_dtorch.placement_rules.plan_sim import reduce_tensors as sim_reduce
+from torch_dtorch.placement_rules.redistribute.simulate import reduce_tensors as sim_reduce
 
 DEVICES = (0, 1, 2, 3)
 

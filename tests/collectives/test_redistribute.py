@@ -14,9 +14,9 @@ from torch_dtorch.collectives import CollectiveError, InMemoryComm, InMemoryWorl
 from torch_dtorch.errors import ShapeError
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard, parse_placements
-from torch_dtorch.placement_rules.plan_sim import apply_plan
-from torch_dtorch.placement_rules.planner import RedistributePlan, plan_redistribute
-from torch_dtorch.placement_rules.simulate import distribute
+from torch_dtorch.placement_rules.ranks import distribute
+from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan, plan_redistribute
+from torch_dtorch.placement_rules.redistribute.simulate import apply_plan
 
 SETTINGS = settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

@@ -109,7 +109,7 @@ def test_communicating_kernel_failing_on_one_rank(
 
 def test_call_comm_tags_differ_between_calls() -> None:
     from torch_dtorch.placement_rules.call import LocalContext
-    from torch_dtorch.placement_rules.context_parallel import device_comm
+    from torch_dtorch.placement_rules.families.context_parallel import device_comm
 
     sent: list[tuple[int, int]] = []
 

@@ -11,9 +11,9 @@ import torch
 from tests.executor.conftest import MakeExecutor
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard, placements_str
-from torch_dtorch.placement_rules.plan_sim import apply_plan
-from torch_dtorch.placement_rules.planner import plan_redistribute
-from torch_dtorch.placement_rules.simulate import distribute
+from torch_dtorch.placement_rules.ranks import distribute
+from torch_dtorch.placement_rules.redistribute.planner import plan_redistribute
+from torch_dtorch.placement_rules.redistribute.simulate import apply_plan
 
 AXIS_PLACEMENTS: list[Placement] = [Shard(0), Shard(1), Replicate(), Partial("sum")]
 

@@ -89,13 +89,13 @@ def test_kernels_run_without_torch_function_modes(
 ) -> None:
     ex, mesh = make_executor((2,))
     seen: list[tuple[bool, list[str], str]] = []
-    run_local = kernel_module.run_local
+    run_rank = kernel_module.run_rank
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(_torch_function_state())
-        return run_local(*args, **kwargs)
+        return run_rank(*args, **kwargs)
 
-    monkeypatch.setattr(kernel_module, "run_local", spy)
+    monkeypatch.setattr(kernel_module, "run_rank", spy)
     x = ex.input((4,), mesh, [Shard(0)])
     ex.upload(x, torch.arange(4.0))
     y = ex.call(aten.mul.Tensor, x, x)

@@ -11,7 +11,7 @@ import torch_dtorch as dt
 from tests.eager.conftest import thread_only
 from tests.nn.conftest import init_mesh
 from torch_dtorch import Replicate, Shard
-from torch_dtorch.placement_rules import context_parallel as cpm
+from torch_dtorch.placement_rules.families import context_parallel as cpm
 from torch_dtorch.runtime import kernel as kernel_mod
 
 #: (mesh axis names, sizes, L, S, causal, gqa, mask)

@@ -18,8 +18,8 @@ from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Placement, Placements, Replicate, Shard, local_shape
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.call import OpCall
+from torch_dtorch.placement_rules.ranks import assemble, coords, distribute, run_all_ranks
 from torch_dtorch.placement_rules.rule import OpPlan
-from torch_dtorch.placement_rules.simulate import assemble, coords, distribute, run_local
 
 MESH_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (2,), (3,), (2, 2))
 
@@ -123,7 +123,7 @@ def check_sample(
             local_inputs[c].append(shards[c] if shards is not None else None)
     # the kernels see the call as the runtime gives it: with the matched signature's input placements
     kcall = call.retarget(list(call.inputs), list(plan.match.in_targets))
-    outs = run_local(rule, kcall, plan.out_placements, local_inputs, mesh_shape)
+    outs = run_all_ranks(rule, kcall, plan.out_placements, local_inputs, mesh_shape)
     ref_args, ref_kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (sample.args, sample.kwargs))
     expected = op(*ref_args, **ref_kwargs)  # on clones: in-place ops must not touch the shared sample tensors
     expected_list = list(expected) if isinstance(expected, (list, tuple)) else [expected]

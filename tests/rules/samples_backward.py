@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import torch_dtorch.placement_rules.backward_embedding  # noqa: F401 - registers dtorch_train ops
+import torch_dtorch.placement_rules.families.backward_embedding  # noqa: F401 - registers dtorch_train ops
 from tests.rules.harness import Sample
 
 aten = torch.ops.aten

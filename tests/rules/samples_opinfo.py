@@ -21,12 +21,16 @@ _UNSPECIFIED_OUTPUTS = {torch.ops.aten._ctc_loss.default: (1,)}
 
 
 def _wanted() -> set[Any]:
-    from torch_dtorch.placement_rules.pointwise import _REGISTERED, SPECIAL_BINARY_OPS, SPECIAL_UNARY_OPS
+    from torch_dtorch.placement_rules.families.pointwise import (
+        _REGISTERED,
+        SPECIAL_BINARY_OPS,
+        SPECIAL_UNARY_OPS,
+    )
 
     fams = rules_by_family()
     ops = {op for f in _FAMILIES for op in fams.get(f, [])}
     ops |= {op for op in (*SPECIAL_UNARY_OPS, *SPECIAL_BINARY_OPS) if op not in _REGISTERED}
-    from torch_dtorch.placement_rules.normalization import BatchNormRule  # noqa: F401 - registered there
+    from torch_dtorch.placement_rules.families.normalization import BatchNormRule  # noqa: F401 - registered there
 
     ops |= {
         torch.ops.aten.native_batch_norm.default,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.rules.harness import Sample
-from torch_dtorch.placement_rules.pointwise import BINARY_OPS, UNARY_LINEAR_OPS, UNARY_OPS
+from torch_dtorch.placement_rules.families.pointwise import BINARY_OPS, UNARY_LINEAR_OPS, UNARY_OPS
 
 aten = torch.ops.aten
 g = torch.Generator().manual_seed(0)

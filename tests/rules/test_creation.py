@@ -14,8 +14,8 @@ from torch_dtorch.errors import PlacementMismatchError
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Placements, Replicate, Shard
 from torch_dtorch.placement_rules import get_rule, intercept_list, rules_by_family
+from torch_dtorch.placement_rules.ranks import assemble, coords, distribute, run_all_ranks, run_rank
 from torch_dtorch.placement_rules.rule import OpPlan
-from torch_dtorch.placement_rules.simulate import assemble, coords, distribute, run_local, run_rank
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -46,7 +46,7 @@ def run(
         shards = distribute(t, mesh_shape, target) if t is not None and target is not None else None
         for c in local:
             local[c].append(shards[c] if shards is not None else None)
-    outs = run_local(rule, call, plan.out_placements, local, mesh_shape)
+    outs = run_all_ranks(rule, call, plan.out_placements, local, mesh_shape)
     return plan, assemble({c: o[0] for c, o in outs.items()}, mesh_shape, plan.out_placements[0])
 
 

@@ -10,7 +10,7 @@ from tests.rules.harness import Sample, check_sample
 from torch_dtorch.errors import ShapeError
 from torch_dtorch.placement import Partial, Replicate, Shard
 from torch_dtorch.placement_rules import intercept_list, rules_by_family
-from torch_dtorch.placement_rules.matmul import matmul_equation, parse_einsum
+from torch_dtorch.placement_rules.families.matmul import matmul_equation, parse_einsum
 
 aten = torch.ops.aten
 R, P, PAVG = Replicate(), Partial(), Partial("avg")

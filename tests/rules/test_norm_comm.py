@@ -20,7 +20,7 @@ from torch_dtorch.graph import Operand
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules import OpCall, get_rule
-from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
+from torch_dtorch.placement_rules.families.context_parallel import kernel_needs_comm
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

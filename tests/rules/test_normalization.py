@@ -8,7 +8,7 @@ import torch
 from tests.rules.harness import Sample, check_sample
 from torch_dtorch.placement import Replicate, Shard
 from torch_dtorch.placement_rules import intercept_list, rules_by_family
-from torch_dtorch.placement_rules.normalization import groups_split_evenly
+from torch_dtorch.placement_rules.families.normalization import groups_split_evenly
 
 aten = torch.ops.aten
 R = Replicate()

@@ -7,7 +7,7 @@ import torch
 from tests.rules.harness import Sample, check_sample
 from torch_dtorch.placement import Partial, Replicate, Shard
 from torch_dtorch.placement_rules import get_rule, intercept_list
-from torch_dtorch.placement_rules.shape import SHAPE_OPS
+from torch_dtorch.placement_rules.families.shape import SHAPE_OPS
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -9,8 +9,8 @@ from tests.rules.harness import Sample, check_sample
 from torch_dtorch.errors import ShapeError
 from torch_dtorch.placement import Partial, Replicate, Shard
 from torch_dtorch.placement_rules import get_rule, intercept_list, rules_by_family
-from torch_dtorch.placement_rules.view import VIEW_OPS, reshape_dim_pairs
-from torch_dtorch.placement_rules.view_scatter import STRIDED_VIEW_OPS
+from torch_dtorch.placement_rules.families.view import VIEW_OPS, reshape_dim_pairs
+from torch_dtorch.placement_rules.families.view_scatter import STRIDED_VIEW_OPS
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -301,7 +301,7 @@ def test_nll_loss_keeps_the_batch_sharded(reduction: int) -> None:
 def test_vocab_parallel_embedding_gradient_is_born_sharded(mesh_shape: tuple[int, ...]) -> None:
     """The weight gradient of a vocab-parallel embedding is computed on each rank's rows: it comes out ``S(0)``
     with no hook to move it (uneven rows, padding index, frequency scaling)."""
-    from torch_dtorch.placement_rules.backward_embedding import vocab_parallel_embedding
+    from torch_dtorch.placement_rules.families.backward_embedding import vocab_parallel_embedding
 
     mesh = init_mesh(mesh_shape)
     torch.manual_seed(0)

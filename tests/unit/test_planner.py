@@ -22,10 +22,10 @@ from torch_dtorch.placement import (
     parse_placements,
     placements_str,
 )
-from torch_dtorch.placement_rules.plan_sim import apply_plan, apply_step
-from torch_dtorch.placement_rules.plan_steps import AllGather, AxisStep, PointToPoint, ReduceScatter
-from torch_dtorch.placement_rules.planner import plan_on_mesh, plan_redistribute
-from torch_dtorch.placement_rules.simulate import assemble, coords, distribute
+from torch_dtorch.placement_rules.ranks import assemble, coords, distribute
+from torch_dtorch.placement_rules.redistribute.planner import plan_on_mesh, plan_redistribute
+from torch_dtorch.placement_rules.redistribute.simulate import apply_plan, apply_step
+from torch_dtorch.placement_rules.redistribute.steps import AllGather, AxisStep, PointToPoint, ReduceScatter
 
 SETTINGS = settings(
     max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

@@ -17,7 +17,7 @@ from torch_dtorch.executor.reference import ReferenceExecutor
 from torch_dtorch.graph import Operand
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Replicate, Shard
-from torch_dtorch.placement_rules.planner import plan_redistribute
+from torch_dtorch.placement_rules.redistribute.planner import plan_redistribute
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -2,7 +2,7 @@
 
 Every operator becomes what the eager worker would run for it on that rank — the rule's ``localize`` (evaluated
 once, at compile time, with the rank's local shapes) and its local kernel — and every ``redistribute`` becomes a
-collective node carrying its :class:`~torch_dtorch.placement_rules.planner.RedistributePlan`. The program is then
+collective node carrying its :class:`~torch_dtorch.placement_rules.redistribute.planner.RedistributePlan`. The program is then
 cut at the collectives into **compute segments** (plain aten FX graphs a worker may hand to inductor) and
 **collective steps** (run with the worker's communicator), connected through numbered value slots. An operator
 whose rule kernel itself communicates (context-parallel attention: ring K/V passing, Ulysses all-to-all) becomes a
@@ -31,9 +31,9 @@ from torch_dtorch.graph.operand import dtype_str
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement_rules import OpRule
 from torch_dtorch.placement_rules.call import LocalContext, map_operands
-from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
+from torch_dtorch.placement_rules.families.context_parallel import kernel_needs_comm
+from torch_dtorch.placement_rules.ranks import cached_local_shape_and_offset, takes_device
 from torch_dtorch.placement_rules.rule import FunctionRule
-from torch_dtorch.placement_rules.simulate import cached_local_shape_and_offset, takes_device
 
 __all__ = [
     "CollectiveStep",

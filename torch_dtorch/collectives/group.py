@@ -9,7 +9,7 @@ Semantics shared by every backend (the in-memory group and ``torch.distributed``
 - Chunks follow ``torch.chunk`` (:func:`torch_dtorch.placement.chunk_size_and_offset`): uneven and empty chunks
   are allowed, and size-0 tensors go through every collective.
 - ``avg`` is ``sum / size`` (floor division for integer dtypes), exactly like
-  :func:`torch_dtorch.placement_rules.simulate.reduce_tensors`.
+  :func:`torch_dtorch.placement_rules.ranks.reduce_tensors`.
 - Every member issues the same collectives in the same order (the workers run one ordered instruction stream);
   a call that waits longer than :func:`collective_timeout_s` raises
   :class:`~torch_dtorch.collectives.errors.CollectiveTimeout` instead of hanging.

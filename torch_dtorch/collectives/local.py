@@ -1,7 +1,7 @@
 """Plain-torch results of each collective from the list of every rank's input (rank order).
 
 These functions define what the in-memory group delivers; they compute exactly what
-:mod:`torch_dtorch.placement_rules.plan_sim` computes (same kernels in the same order), so runtime shards equal the
+:mod:`torch_dtorch.placement_rules.redistribute.simulate` computes (same kernels in the same order), so runtime shards equal the
 simulated ones bit for bit. Every returned tensor is new: no result aliases an input or another result.
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch_dtorch.collectives.errors import CollectiveMismatchError
 from torch_dtorch.collectives.group import check_reduce_op
 from torch_dtorch.placement import chunk_size_and_offset
-from torch_dtorch.placement_rules.simulate import reduce_tensors as _reduce_tensors
+from torch_dtorch.placement_rules.ranks import reduce_tensors as _reduce_tensors
 
 __all__ = [
     "all_gather_results",

@@ -1,7 +1,7 @@
-"""One rank's execution of a :class:`~torch_dtorch.placement_rules.planner.RedistributePlan` with real collectives.
+"""One rank's execution of a :class:`~torch_dtorch.placement_rules.redistribute.planner.RedistributePlan` with real collectives.
 
 Every device of the plan's meshes calls :func:`execute_plan` with its own local tensor; the steps run in order and
-produce exactly the shards :func:`torch_dtorch.placement_rules.plan_sim.apply_plan` computes (the property test in
+produce exactly the shards :func:`torch_dtorch.placement_rules.redistribute.simulate.apply_plan` computes (the property test in
 ``tests/collectives`` checks this with ``torch.equal``, uneven and empty shards, partials and cross-mesh plans
 included).
 
@@ -27,7 +27,8 @@ from torch_dtorch.collectives.local import chunk
 from torch_dtorch.errors import ShapeError
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements, local_shape, placements_str
-from torch_dtorch.placement_rules.plan_steps import (
+from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan
+from torch_dtorch.placement_rules.redistribute.steps import (
     AllGather,
     AllReduce,
     AllToAll,
@@ -37,7 +38,6 @@ from torch_dtorch.placement_rules.plan_steps import (
     ReduceScatter,
     ZeroFill,
 )
-from torch_dtorch.placement_rules.planner import RedistributePlan
 
 __all__ = ["execute_plan"]
 

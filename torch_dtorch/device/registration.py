@@ -21,8 +21,8 @@ from torch_dtorch.device import fastpath, kernels
 from torch_dtorch.device.rng import install_rng_functions
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
 from torch_dtorch.placement_rules import intercept_list, registered_ops
-from torch_dtorch.placement_rules.backward import MASKED_OUTPUT_OPS
-from torch_dtorch.placement_rules.indexing import SYNC_OPS
+from torch_dtorch.placement_rules.families.backward import MASKED_OUTPUT_OPS
+from torch_dtorch.placement_rules.families.indexing import SYNC_OPS
 from torch_dtorch.placement_rules.inplace import functional_overload
 
 __all__ = ["ensure_registered", "register_kernels", "register_rule", "registered_kernels"]
@@ -266,7 +266,7 @@ sync_stats = {"calls": 0}
 def _sync_kernel(op: Any, inner: Any):  # noqa: ANN202
     """Data-dependent output shapes (``masked_select``, ``nonzero``, ``x[mask]``, ...): a sync point. The inputs are
     gathered, the op runs on the controller, and tensor results come back Replicate on the inputs' mesh."""
-    from torch_dtorch.placement_rules.indexing import is_sync_call
+    from torch_dtorch.placement_rules.families.indexing import is_sync_call
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if inner is not None and not is_sync_call(op, args, kwargs):
@@ -418,7 +418,7 @@ def _schema_name(op: Any) -> str:
 def _masked_outputs(op: Any):  # noqa: ANN202
     """Ops whose outputs torch may leave ``None`` (``native_layer_norm_backward`` with an ``output_mask`` or no
     weight/bias): the operator holds the present outputs only; the ``None`` go back where torch puts them."""
-    from torch_dtorch.placement_rules.backward import present_outputs
+    from torch_dtorch.placement_rules.families.backward import present_outputs
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         present = present_outputs(op, args, kwargs)

@@ -17,7 +17,7 @@ from torch_dtorch.graph import AssignInfo, LogicalGraph, Operand, Operator, Oper
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Placements, Replicate, normalize_placements, placements_str
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
-from torch_dtorch.placement_rules.planner import RedistributePlan, plan_redistribute
+from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan, plan_redistribute
 
 __all__ = ["BoundOp", "GraphConstructor", "RedistributeSpec", "redistribute_spec"]
 

@@ -42,7 +42,7 @@ from torch_dtorch.executor.resolver import ValueRequest, ValueResolver
 from torch_dtorch.graph import LogicalGraph, Operand, Operator
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Placements, Replicate, local_shape_and_offset
-from torch_dtorch.placement_rules.simulate import distribute
+from torch_dtorch.placement_rules.ranks import distribute
 
 __all__ = ["EagerGraphExecutor"]
 

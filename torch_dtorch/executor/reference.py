@@ -10,9 +10,9 @@ import torch
 
 from torch_dtorch.executor.constructor import BoundOp
 from torch_dtorch.graph import LogicalGraph, Operand
-from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
-from torch_dtorch.placement_rules.plan_sim import apply_plan
-from torch_dtorch.placement_rules.simulate import Shards, assemble, distribute, run_local, run_rank
+from torch_dtorch.placement_rules.families.context_parallel import kernel_needs_comm
+from torch_dtorch.placement_rules.ranks import Shards, assemble, distribute, run_all_ranks, run_rank
+from torch_dtorch.placement_rules.redistribute.simulate import apply_plan
 
 __all__ = ["ReferenceExecutor"]
 
@@ -53,7 +53,7 @@ class ReferenceExecutor:
                     coord: [self.shards[x.id][coord] if x is not None else None for x in node.inputs]
                     for _, coord in root.coordinates()
                 }
-                per_rank = run_local(rule, call, out_pl, local, root.shape)
+                per_rank = run_all_ranks(rule, call, out_pl, local, root.shape)
                 for k, o in enumerate(node.outputs):
                     self.shards[o.id] = {c: v[k] for c, v in per_rank.items()}
                 continue

@@ -13,7 +13,7 @@ import torch
 from torch_dtorch.collectives.errors import TensorStoreTimeout
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.placement import Placement
-from torch_dtorch.placement_rules.simulate import assemble
+from torch_dtorch.placement_rules.ranks import assemble
 
 __all__ = ["ValueRequest", "ValueResolver"]
 

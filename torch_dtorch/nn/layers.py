@@ -46,7 +46,7 @@ from torch_dtorch.nn._layout import (
     set_axis_placement,
 )
 from torch_dtorch.placement import Placement, Replicate, Shard
-from torch_dtorch.placement_rules.backward_embedding import vocab_parallel_embedding
+from torch_dtorch.placement_rules.families.backward_embedding import vocab_parallel_embedding
 
 __all__ = [
     "ColumnParallelLinear",

@@ -30,7 +30,7 @@ from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PlacementError
 from torch_dtorch.nn._layout import AxisRef, distribute_param, set_axis_placement
 from torch_dtorch.placement import Placement, Replicate, Shard
-from torch_dtorch.placement_rules.backward_embedding import vocab_parallel_embedding
+from torch_dtorch.placement_rules.families.backward_embedding import vocab_parallel_embedding
 
 log = logging.getLogger("torch_dtorch.nn")
 

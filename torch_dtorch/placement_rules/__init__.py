@@ -1,19 +1,14 @@
-"""Layer 2a — placement rules: signature builder, per-axis matcher, rule registry (one file per family), planner.
+"""Layer 2a — placement rules: the machinery (signature builder, per-axis matcher, rule registry, a rule's local run
+on each rank in :mod:`.ranks`), the rules (:mod:`.families`, one module per op family) and the redistribute planner
+(:mod:`.redistribute`).
 
 Importing this package registers every built-in rule.
 """
 
 from __future__ import annotations
 
-# Families register their rules at import (one module per family).
-# isort: off
-from torch_dtorch.placement_rules import families as _families  # noqa: E402,F401
-from torch_dtorch.placement_rules import backward as _backward  # noqa: E402,F401  (autograd's overloads)
-from torch_dtorch.placement_rules import complex_views as _complex_views  # noqa: E402,F401
-from torch_dtorch.placement_rules import loss_nll as _loss_nll  # noqa: E402,F401
-from torch_dtorch.placement_rules import backward_embedding as _backward_embedding  # noqa: E402,F401
-
-# isort: on
+# every family registers its rules at import
+from torch_dtorch.placement_rules import families as _families  # noqa: F401
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.rule import (
     FunctionRule,

@@ -1,7 +1,7 @@
 """``Kernel``: runs one operator on one device.
 
 A kernel fetches the operator's local input blobs, computes — the rule's local kernel exactly as
-:func:`~torch_dtorch.placement_rules.simulate.run_rank` runs it (:func:`~torch_dtorch.runtime.local.run_local`) for ops, the collectives of a plan through
+:func:`~torch_dtorch.placement_rules.ranks.run_rank` runs it (:func:`~torch_dtorch.runtime.local.run_rank`) for ops, the collectives of a plan through
 :func:`~torch_dtorch.collectives.redistribute.execute_plan` for redistributes — and stores the output blobs.
 
 Errors are sticky: an exception poisons the outputs with a :class:`KernelError`; an operator with a poisoned input
@@ -29,9 +29,9 @@ from torch_dtorch.graph import Operand, Operator
 from torch_dtorch.graph.operator import op_name
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement_rules.call import LocalContext
-from torch_dtorch.placement_rules.simulate import local_context
+from torch_dtorch.placement_rules.ranks import local_context
 from torch_dtorch.runtime.blob import Blob, KernelError
-from torch_dtorch.runtime.local import kernel_needs_comm, local_shape, run_local
+from torch_dtorch.runtime.local import kernel_needs_comm, local_shape, run_rank
 from torch_dtorch.runtime.replay import LocalCall
 from torch_dtorch.runtime.stream import COMM, COMPUTE, KernelStream
 
@@ -246,7 +246,7 @@ class Kernel:
         except Exception:  # noqa: BLE001 - the outputs are poisoned by the caller anyway
             log.debug("worker %d: %s on zeros failed", self.device, node.name, exc_info=True)
 
-    def _run_local(
+    def _run_rank(
         self,
         node: Operator,
         info: _MeshInfo,
@@ -256,7 +256,7 @@ class Kernel:
     ) -> list[torch.Tensor]:
         bound = node.payload
         assert info.coord is not None
-        return run_local(
+        return run_rank(
             bound.rule, bound.call, info.coord, info.shape, local, placements_out,
             device=self.device, torch_device=torch_device, comm=self.comm, seq=node.id,
         )  # fmt: skip
@@ -272,9 +272,9 @@ class Kernel:
         if stream is not None and stream.is_cuda:
             stream.wait_for(ins, COMPUTE)
             with stream.use(COMPUTE):
-                outs = self._run_local(node, info, local, placements_out, self.torch_device)
+                outs = self._run_rank(node, info, local, placements_out, self.torch_device)
         else:
-            outs = self._run_local(node, info, local, placements_out, None)
+            outs = self._run_rank(node, info, local, placements_out, None)
         self._store(node.name, outs, node.outputs, call_site)
 
     def _store(

@@ -21,7 +21,7 @@ import torch
 
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.simulate import takes_device
+from torch_dtorch.placement_rules.ranks import takes_device
 from torch_dtorch.runtime.native_replay import native_handle
 
 __all__ = ["AMBIGUOUS", "LocalCall", "resolve"]

@@ -10,7 +10,7 @@ import torch
 
 import torch_dtorch as dt
 from torch_dtorch.apps.diffusion import ExecuteConfig, parallelize_pipeline, tiny_pipeline
-from torch_dtorch.placement_rules import context_parallel as cpm
+from torch_dtorch.placement_rules.families import context_parallel as cpm
 
 from .helpers import generate, psnr, reference, run_parallel
 

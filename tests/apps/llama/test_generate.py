@@ -25,7 +25,7 @@ from tests.eager.conftest import thread_only
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.apps.llama import parallelize_llama
 from torch_dtorch.errors import NoRuleError
-from torch_dtorch.placement_rules import context_parallel as cpm
+from torch_dtorch.placement_rules.families import context_parallel as cpm
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
 

@@ -12,7 +12,7 @@ from torch_dtorch.errors import DTorchError, NoRuleError
 from torch_dtorch.executor.instructions import Barrier, Fetch, Free, Redistribute, RunOp, Upload
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules import get_rule
-from torch_dtorch.placement_rules import plan_steps as _steps
+from torch_dtorch.placement_rules.redistribute import steps as _steps
 
 if TYPE_CHECKING:
     from torch_dtorch.cluster.codec.decoder import DecodeContext

@@ -27,7 +27,7 @@ from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, Tens
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements, parse_placements
 from torch_dtorch.placement_rules import OpCall
-from torch_dtorch.placement_rules.planner import RedistributePlan
+from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan
 
 __all__ = ["BatchDecoder", "DecodeContext"]
 

@@ -8,7 +8,7 @@ the move into a ``PlacementMismatchError`` instead.
 An op only qualifies when its result is a deterministic function of its inputs with a shape known from metadata:
 no random draws (the workers' generators are not the controller's), no mutated arguments (e.g. ``native_batch_norm``
 updating running statistics, which would change only the workers' copies), no data-dependent output shape (those
-are sync points, see :data:`~torch_dtorch.placement_rules.indexing.SYNC_OPS`). :func:`register_replicate_only`
+are sync points, see :data:`~torch_dtorch.placement_rules.families.indexing.SYNC_OPS`). :func:`register_replicate_only`
 checks the schema part of that.
 
 Families: dense linear algebra (factorizations, solves, eigen-decompositions), FFTs, losses, histograms, distance

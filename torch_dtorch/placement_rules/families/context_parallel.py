@@ -28,7 +28,7 @@ heads of the whole sequence (the fused flash / memory-efficient kernels on CUDA)
 kernel with log-sum-exp (CPU and fallback), on CUDA the memory-efficient SDPA kernel for unmasked blocks when it is
 available. ``local_attention_hooks`` observe the local tensors every attention computation runs on.
 Communication goes through the worker's communicator (``LocalContext.comm``, given by the runtime; the simulator's
-``run_local`` gives a thread per rank one); a lone ``run_rank`` has none and raises :class:`ContextParallelError`.
+``run_all_ranks`` gives a thread per rank one); a lone ``run_rank`` has none and raises :class:`ContextParallelError`.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def device_comm(ctx: LocalContext, what: str = "context-parallel attention") -> 
     if ctx.comm is None:
         raise ContextParallelError(
             f"{what} on device {ctx.device}: no communicator. Communicating kernels run on workers "
-            "(dt.init_device_mesh) or in the simulator's run_local (a thread per rank); a lone run_rank (the "
+            "(dt.init_device_mesh) or in the simulator's run_all_ranks (a thread per rank); a lone run_rank (the "
             "ReferenceExecutor) cannot run them"
         )
     return ctx.comm if ctx.seq is None else _CallComm(ctx.comm, ctx.seq)

@@ -1,4 +1,4 @@
-"""Step types of a redistribute plan (see :mod:`torch_dtorch.placement_rules.planner`).
+"""Step types of a redistribute plan (see :mod:`torch_dtorch.placement_rules.redistribute.planner`).
 
 Every step is a frozen dataclass carrying the **root** placements before and after it; an :class:`AxisStep` changes
 exactly one mesh axis (checked at construction), a :class:`PointToPoint` moves local tensors between two meshes.

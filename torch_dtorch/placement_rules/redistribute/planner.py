@@ -44,7 +44,7 @@ from torch_dtorch.placement import (
     normalize_placements,
     placements_str,
 )
-from torch_dtorch.placement_rules.plan_steps import (
+from torch_dtorch.placement_rules.redistribute.steps import (
     AllGather,
     AllReduce,
     AllToAll,

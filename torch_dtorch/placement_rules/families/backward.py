@@ -32,8 +32,8 @@ import torch
 
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.loss import REDUCTION_MEAN, REDUCTION_NONE, ElementwiseLossRule
-from torch_dtorch.placement_rules.pointwise import broadcast_shard_signatures
+from torch_dtorch.placement_rules.families.loss import REDUCTION_MEAN, REDUCTION_NONE, ElementwiseLossRule
+from torch_dtorch.placement_rules.families.pointwise import broadcast_shard_signatures
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 

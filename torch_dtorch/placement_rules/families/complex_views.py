@@ -12,9 +12,9 @@ import torch
 
 from torch_dtorch.placement import Placement, Shard
 from torch_dtorch.placement_rules.call import OpCall
+from torch_dtorch.placement_rules.families.view import _zero_cost, distinct_partials
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
-from torch_dtorch.placement_rules.view import _zero_cost, distinct_partials
 
 __all__: list[str] = []
 

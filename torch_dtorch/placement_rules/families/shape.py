@@ -23,9 +23,9 @@ from torch_dtorch.graph import OperatorCost
 from torch_dtorch.ops.cost import traffic_cost
 from torch_dtorch.placement import Placement, Shard
 from torch_dtorch.placement_rules.call import OpCall
+from torch_dtorch.placement_rules.families.view import distinct_partials, norm_dim
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
-from torch_dtorch.placement_rules.view import distinct_partials, norm_dim
 
 __all__ = ["SHAPE_OPS"]
 

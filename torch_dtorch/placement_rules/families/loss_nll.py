@@ -25,9 +25,9 @@ import torch
 
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.context_parallel import device_comm, exchange, register_comm_kernel
-from torch_dtorch.placement_rules.loss import REDUCTION_MEAN, REDUCTION_NONE, REDUCTION_SUM
-from torch_dtorch.placement_rules.norm_comm import comm_group
+from torch_dtorch.placement_rules.families.context_parallel import device_comm, exchange, register_comm_kernel
+from torch_dtorch.placement_rules.families.loss import REDUCTION_MEAN, REDUCTION_NONE, REDUCTION_SUM
+from torch_dtorch.placement_rules.families.norm_comm import comm_group
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 

@@ -1,7 +1,7 @@
 """Plain-torch execution of redistribute plans on simulated shards: the reference the runtime is checked against.
 
 Shards are ``{mesh coordinate: local tensor}`` over a root mesh (row-major coordinates, as in
-:mod:`torch_dtorch.placement_rules.simulate`). Each step is executed per device group of its mesh axis, and every
+:mod:`torch_dtorch.placement_rules.ranks`). Each step is executed per device group of its mesh axis, and every
 rank's result is computed only from what the real collective delivers to it (its own tensor for local steps, the
 group's tensors for collectives, the source rank's tensor for point-to-point), each rank getting its own copy.
 """
@@ -14,7 +14,9 @@ from itertools import product
 import torch
 
 from torch_dtorch.placement import chunk_size_and_offset, local_shape, placements_str
-from torch_dtorch.placement_rules.plan_steps import (
+from torch_dtorch.placement_rules.ranks import reduce_tensors
+from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan
+from torch_dtorch.placement_rules.redistribute.steps import (
     AllGather,
     AllReduce,
     AllToAll,
@@ -25,8 +27,6 @@ from torch_dtorch.placement_rules.plan_steps import (
     Step,
     ZeroFill,
 )
-from torch_dtorch.placement_rules.planner import RedistributePlan
-from torch_dtorch.placement_rules.simulate import reduce_tensors
 
 __all__ = ["apply_plan", "apply_step", "axis_groups", "chunk", "reduce_tensors"]
 

@@ -23,7 +23,7 @@ import torch
 from torch_dtorch.graph import OperatorCost
 from torch_dtorch.placement import Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.indexing import keep_dim_signatures
+from torch_dtorch.placement_rules.families.indexing import keep_dim_signatures
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 

@@ -17,7 +17,7 @@ Signatures (one mesh axis):
 - ``dropout``: ``S(d) -> S(d)``, ``P(sum|avg) -> P(sum|avg)`` (with one global mask dropout is linear in the input;
   without training it is the identity). With ``train=True`` and ``0 < p < 1`` every rank draws the GLOBAL noise
   tensor exactly as CPU torch does (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``) from the shared generator
-  state (:func:`~torch_dtorch.placement_rules.creation.draw_global`; O(global numel) per rank) and multiplies its
+  state (:func:`~torch_dtorch.placement_rules.families.creation.draw_global`; O(global numel) per rank) and multiplies its
   slice, so results and the generator state equal single-device CPU torch under the same seed.
 - ``one_hot(num_classes)``: ``S(d) -> S(d)`` for the input dims. ``num_classes=-1`` (the global max + 1, a
   data-dependent size) raises ``NotImplementedError``.
@@ -44,8 +44,8 @@ from torch_dtorch.errors import ShapeError
 from torch_dtorch.graph import TensorMeta
 from torch_dtorch.placement import PARTIAL_OPS, Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.creation import draw_global, local_kwargs, rank_slice
-from torch_dtorch.placement_rules.pointwise import broadcast_shard_signatures
+from torch_dtorch.placement_rules.families.creation import draw_global, local_kwargs, rank_slice
+from torch_dtorch.placement_rules.families.pointwise import broadcast_shard_signatures
 from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 

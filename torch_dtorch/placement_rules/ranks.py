@@ -3,7 +3,7 @@ run one op's local kernels on shards. Used by the rule and planner tests, the de
 is checked against. Ranks are mesh coordinates; nothing here talks to a worker.
 
 Kernels that communicate (``context_parallel.kernel_needs_comm``: p-norms and ``prod`` over a sharded dim, ring
-attention) run in :func:`run_local` with every rank on its own thread and a :class:`SimComm` for point-to-point
+attention) run in :func:`run_all_ranks` with every rank on its own thread and a :class:`SimComm` for point-to-point
 messages between them; :func:`run_rank` alone gives them no communicator.
 """
 
@@ -29,7 +29,7 @@ from torch_dtorch.placement import (
     local_shape_and_offset,
 )
 from torch_dtorch.placement_rules.call import LocalContext, OpCall, map_operands
-from torch_dtorch.placement_rules.context_parallel import kernel_needs_comm
+from torch_dtorch.placement_rules.families.context_parallel import kernel_needs_comm
 
 __all__ = [
     "SimComm",
@@ -39,7 +39,7 @@ __all__ = [
     "distribute",
     "operand_for",
     "partial_split",
-    "run_local",
+    "run_all_ranks",
     "run_rank",
 ]
 
@@ -271,7 +271,7 @@ def run_rank(
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def run_local(
+def run_all_ranks(
     rule: Any,
     call: OpCall,
     placements_out: Sequence[Placements],

@@ -22,7 +22,7 @@ import torch
 
 from torch_dtorch.placement import Partial
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.pointwise import broadcast_shard_signatures
+from torch_dtorch.placement_rules.families.pointwise import broadcast_shard_signatures
 from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 

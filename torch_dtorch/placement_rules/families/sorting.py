@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from torch_dtorch.placement_rules.call import OpCall
-from torch_dtorch.placement_rules.indexing import keep_dim_signatures
+from torch_dtorch.placement_rules.families.indexing import keep_dim_signatures
+from torch_dtorch.placement_rules.families.view import norm_dim
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature
-from torch_dtorch.placement_rules.view import norm_dim
 
 __all__ = ["ALONG_DIM_OPS"]
 

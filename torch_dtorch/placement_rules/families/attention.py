@@ -31,7 +31,7 @@ from torch_dtorch.graph import Operand, OperatorCost
 from torch_dtorch.ops.cost import sdpa_cost
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.context_parallel import (
+from torch_dtorch.placement_rules.families.context_parallel import (
     cp_axes,
     cp_signatures,
     local_attention_hooks,
@@ -39,7 +39,7 @@ from torch_dtorch.placement_rules.context_parallel import (
     register_comm_kernel,
     run_context_parallel,
 )
-from torch_dtorch.placement_rules.normalization import groups_split_evenly
+from torch_dtorch.placement_rules.families.normalization import groups_split_evenly
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 

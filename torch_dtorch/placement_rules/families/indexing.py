@@ -26,9 +26,9 @@ import torch
 
 from torch_dtorch.placement import Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import OpCall
+from torch_dtorch.placement_rules.families.view import norm_dim
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
-from torch_dtorch.placement_rules.view import norm_dim
 
 __all__ = ["SYNC_OPS", "keep_dim_signatures"]
 

@@ -45,8 +45,8 @@ from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.ops.cost import meta_nbytes
 from torch_dtorch.placement import Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.context_parallel import device_comm, exchange, register_comm_kernel
-from torch_dtorch.placement_rules.reduction import ReductionRule, VectorNormRule
+from torch_dtorch.placement_rules.families.context_parallel import device_comm, exchange, register_comm_kernel
+from torch_dtorch.placement_rules.families.reduction import ReductionRule, VectorNormRule
 from torch_dtorch.placement_rules.rule import get_rule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
