@@ -28,7 +28,7 @@ import torch
 import torch_dtorch as dt
 from torch_dtorch import Shard
 from torch_dtorch.backend import dtorch_backend
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 
 log = logging.getLogger("bench.compile_overhead")
 
@@ -77,7 +77,7 @@ def replay_times(worker: Any, x: torch.Tensor, y: torch.Tensor, repeat: int) -> 
     ``repeat`` loops of each, taken in alternation: the replay overhead without the GIL contention of four worker
     threads on two cores."""
     from torch_dtorch.backend.program import _PROGRAMS, RunProgram, _execute
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
 
     dt.sync()
     table = _PROGRAMS[worker]
@@ -101,9 +101,9 @@ def interleaved(fns: list[Callable[[], Any]], calls: int, repeat: int) -> list[f
     running thousands of queued programs took longer than the measurement; their results are never read."""
     import threading
 
-    from torch_dtorch.runtime import kernel
+    from torch_dtorch.runtime import op_runner as kernel
 
-    streams = list(get_runtime().executor.runner.streams.values())
+    streams = list(get_session().executor.runner.streams.values())
     dt.sync()
     gate = threading.Event()
     kernel.before_hooks.append(lambda instr, device: gate.wait(600))
@@ -135,7 +135,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
     mesh = dt.init_device_mesh("cpu", (4,))
-    rt_executor = get_runtime().executor
+    rt_executor = get_session().executor
     x = dt.distribute_tensor(torch.randn(64, 16), mesh, [Shard(0)])
     y = dt.distribute_tensor(torch.randn(64, 16), mesh, [Shard(0)])
     log.info("%8s %18s %16s %14s", "ops", "controller µs/call", "no-op µs/call", "replay ratio")

@@ -13,8 +13,8 @@ import torch
 
 import torch_dtorch as dt
 from torch_dtorch import Replicate
-from torch_dtorch.device import kernels
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device import dispatch
+from torch_dtorch.device.state import get_session
 from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.placement_rules import OpCall, get_rule
 
@@ -29,19 +29,19 @@ def main() -> None:
     mesh = dt.init_device_mesh("cpu", (1,))
     a = dt.distribute_tensor(torch.randn(16, 16), mesh, [Replicate()])
     b = dt.distribute_tensor(torch.randn(16, 16), mesh, [Replicate()])
-    rt = get_runtime()
+    rt = get_session()
     ex = rt.executor
     dt.sync()
     ex.batch_size, ex.flush_interval = 10**9, 3600.0  # hold the workers back while timing
-    oa, ob = kernels.operand_of(a), kernels.operand_of(b)
+    oa, ob = dispatch.operand_of(a), dispatch.operand_of(b)
     rule = get_rule(aten.add.Tensor)
     rows = [
         ("a + b on dtorch tensors (everything)", lambda: a + b),
-        ("kernels.dispatch called directly", lambda: kernels.dispatch(aten.add.Tensor, (a, b), {})),
+        ("dispatch.dispatch called directly", lambda: dispatch.dispatch_op(aten.add.Tensor, (a, b), {})),
         ("EagerGraphExecutor.call on operands", lambda: ex.call(aten.add.Tensor, oa, ob)),
         ("GraphConstructor.call on operands", lambda: ex.constructor.call(aten.add.Tensor, oa, ob)),
         ("OpCall.make + cached OpRule.plan", lambda: rule.plan(OpCall.make(aten.add.Tensor, (oa, ob), {}))),
-        ("wrap output (+ free of the previous one)", lambda: kernels.wrap(rt, oa)),
+        ("wrap output (+ free of the previous one)", lambda: dispatch.wrap(rt, oa)),
         (
             "two tensor->operand lookups",
             lambda: (TABLE.lookup(a, rt.generation), TABLE.lookup(b, rt.generation)),

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as upstream_distribute
 
 import torch_dtorch as dt
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 
 
 def per_op_us(fn: Callable[[], object], iters: int, rounds: int = 40) -> float:
@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace, port: int) -> dict[str, dict[str, float]]:
 
     for n in (1, 4):
         mesh = dt.init_device_mesh("cpu", (n,))
-        ex = get_runtime().executor
+        ex = get_session().executor
         placements = [Shard(0)] if n > 1 else [Replicate()]
         da, db = dt.distribute_tensor(a, mesh, placements), dt.distribute_tensor(b, mesh, [Replicate()])
         for name, fn in ops(da, db).items():

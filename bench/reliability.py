@@ -79,7 +79,7 @@ def _wait_gone(pids: list[int], timeout: float) -> tuple[list[int], float]:
 
 
 def _runner() -> Any:
-    return dt.device.state.get_runtime().executor.runner
+    return dt.device.state.get_session().executor.runner
 
 
 def _owned_paths(r: Any) -> list[str]:

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_dtorch.device.kernels import operand_of, wrap
+from torch_dtorch.device.dispatch import operand_of, wrap
 from torch_dtorch.device.registration import ensure_registered
-from torch_dtorch.device.state import get_runtime, shutdown
-from torch_dtorch.device.state import start_runtime as _start_runtime
+from torch_dtorch.device.state import get_session, shutdown
+from torch_dtorch.device.state import start_session as _start_runtime
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import DTorchError, PlacementError
 from torch_dtorch.executor.future import TensorFuture
@@ -86,7 +86,7 @@ def distribute_tensor(
     """Split a torch tensor over the mesh (each worker receives only its shard). Partial placements put the value
     on the first rank of each group and zeros elsewhere."""
     mesh = _mesh_or_default(device_mesh, "distribute_tensor")
-    rt = get_runtime()
+    rt = get_session()
     placements = placements if placements is not None else [Replicate()] * mesh.ndim
     pl = normalize_placements(placements, ndim=tensor.ndim, mesh_ndim=mesh.ndim, what="distribute_tensor")
     value = tensor.detach()
@@ -133,7 +133,7 @@ def from_local(
     The global shape is inferred from the shards (uneven shards included) unless ``shape`` is given; every shard
     must have the shape the placements imply."""
     mesh = _mesh_or_default(device_mesh, "from_local")
-    rt = get_runtime()
+    rt = get_session()
     devices = mesh.devices
     if isinstance(local_tensors, Mapping):
         locals_ = dict(local_tensors)
@@ -169,7 +169,7 @@ def from_local(
 def to_torch_async(t: torch.Tensor) -> TensorFuture:
     """Start fetching the global value; returns at once. ``get()/wait()/wait_for(ms)/is_ready()/await``."""
     _require(t, "to_torch_async")
-    rt = get_runtime()
+    rt = get_session()
     operand = operand_of(t, rt)
     if operand.mesh is None:
         from torch_dtorch.device import binding
@@ -198,7 +198,7 @@ def redistribute(
         from torch_dtorch.device.autograd import redistribute_with_grad
 
         return redistribute_with_grad(t, device_mesh, placements)
-    rt = get_runtime()
+    rt = get_session()
     operand = operand_of(t, rt)
     if operand.mesh is None:
         from torch_dtorch.device import binding
@@ -225,7 +225,7 @@ def redistribute_by_dict(t: torch.Tensor, placements: Mapping[str | int, Placeme
 
 def sync() -> None:
     """Wait until the workers have run everything issued so far (errors stay with their tensors)."""
-    get_runtime().executor.sync()
+    get_session().executor.sync()
 
 
 def _factory(
@@ -240,7 +240,7 @@ def _factory(
 ) -> torch.Tensor:
     """Every worker creates only its shard (random ops: the rank's slice of the global draw)."""
     mesh = _mesh_or_default(device_mesh, what)
-    rt = get_runtime()
+    rt = get_session()
     placements = placements if placements is not None else [Replicate()] * mesh.ndim
     pl = normalize_placements(placements, ndim=len(size), mesh_ndim=mesh.ndim, what=what)
     kwargs = {"dtype": dtype} if dtype is not None else {}
@@ -290,10 +290,10 @@ def _random(
 ) -> torch.Tensor:  # fmt: skip
     """Drawn on the controller from torch's generator, then distributed: equals single-device torch under the same
     seed whatever the placements (O(global) on the controller, each worker receives only its shard)."""
-    from torch_dtorch.device.kernels import controller_device
+    from torch_dtorch.device.dispatch import controller_device
 
     mesh = _mesh_or_default(device_mesh, what)
-    value = fn(size, dtype=dtype, device=controller_device(get_runtime()))
+    value = fn(size, dtype=dtype, device=controller_device(get_session()))
     out = distribute_tensor(value, mesh, placements)
     if requires_grad:
         out.requires_grad_(True)

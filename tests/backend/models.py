@@ -83,7 +83,7 @@ class HookCounter:
 
 
 def with_hook(hook: Callable[[Any, int], None], fn: Callable[[], Any]) -> Any:
-    from torch_dtorch.runtime import kernel
+    from torch_dtorch.runtime import op_runner as kernel
 
     kernel.after_hooks.append(hook)
     try:

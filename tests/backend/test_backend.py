@@ -117,7 +117,7 @@ def test_one_message_per_call_and_async() -> None:
         with_hook(counter, lambda: [compiled(dx) for _ in range(3)])
         assert counter.counts == {"RunProgram": 3 * 2}  # one per call per worker, no per-op instruction
         # the call returns before the workers run: block them and look at the result's metadata
-        from torch_dtorch.runtime import kernel
+        from torch_dtorch.runtime import op_runner as kernel
 
         gate = threading.Event()
 
@@ -140,10 +140,10 @@ def test_compiled_call_starts_on_workers_at_once() -> None:
     value request (with a one-hour timer, the workers still see the ``RunProgram`` right away)."""
     compiled, dx, _, ref = _compiled_tp_mlp()
     with torch.no_grad():
-        from torch_dtorch.device.state import get_runtime
-        from torch_dtorch.runtime import kernel
+        from torch_dtorch.device.state import get_session
+        from torch_dtorch.runtime import op_runner as kernel
 
-        executor = get_runtime().executor
+        executor = get_session().executor
         interval, executor.flush_interval = executor.flush_interval, 3600.0
         seen = threading.Event()
 
@@ -289,10 +289,10 @@ def test_program_error_is_sticky_and_named() -> None:
     w = dt.distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
     torch.testing.assert_close(compiled(x, w).full_tensor(), (x.full_tensor() @ w.full_tensor()).relu())
     poisoned = dt.from_local([torch.randn(2, 4), torch.randn(2, 4)], mesh, [Shard(0)])
-    from torch_dtorch.device.kernels import operand_of
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.dispatch import operand_of
+    from torch_dtorch.device.state import get_session
 
-    get_runtime().executor.free(operand_of(poisoned))  # its blobs vanish: reading them is an error
+    get_session().executor.free(operand_of(poisoned))  # its blobs vanish: reading them is an error
     y = compiled(poisoned, w)
     with pytest.raises(KernelError, match="compiled program"):
         y.full_tensor()
@@ -301,7 +301,7 @@ def test_program_error_is_sticky_and_named() -> None:
 
 def test_load_program_codec_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     """Process mode ships a LoadProgram as its propagated operators: decoded, each rank builds the same program."""
-    from torch_dtorch.backend import runtime
+    from torch_dtorch.backend import compiled as runtime
     from torch_dtorch.backend.local import build_local_program
     from torch_dtorch.backend.program import LoadProgram, RunProgram
     from torch_dtorch.cluster.codec import BatchDecoder, BatchEncoder

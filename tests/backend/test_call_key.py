@@ -9,12 +9,12 @@ import torch_dtorch as dt
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.backend import dtorch_backend
 from torch_dtorch.backend.call_key import CallKeyMemo, fast_key
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 
 
 def test_memo_matches_fast_key_as_inputs_change() -> None:
     mesh = dt.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    gen = get_runtime().generation
+    gen = get_session().generation
     params = [dt.distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]) for _ in range(5)]
     memo = CallKeyMemo()
 

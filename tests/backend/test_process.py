@@ -35,9 +35,9 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
 
 
 def test_tp_mlp_on_processes(mesh: dt.DeviceMesh) -> None:
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
 
-    assert get_runtime().mode == "process"
+    assert get_session().mode == "process"
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(4, 8)
     with torch.no_grad():

@@ -35,7 +35,7 @@ from torch_dtorch.cluster.startup import member_welcome
 from torch_dtorch.cluster.store import Route, choose_route, tensor_route
 from torch_dtorch.cluster.transport import MessageKind
 from torch_dtorch.cluster.transport.wire import decode, encode
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 
 MiB = 1 << 20
 
@@ -180,7 +180,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def cuda_mesh(**config: object) -> tuple[dt.DeviceMesh, ClusterRunner]:
     cfg = ClusterConfig(shm_threshold=64 << 10, **config)  # type: ignore[arg-type]
     mesh = dt.init_device_mesh("cuda", (2,), mode="process", simulate=True, cluster=cfg)
-    runner = get_runtime().executor.runner
+    runner = get_session().executor.runner
     assert isinstance(runner, ClusterRunner)
     return mesh, runner
 

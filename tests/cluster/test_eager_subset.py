@@ -38,7 +38,7 @@ def _process_mode() -> Iterator[None]:
     ("fn", "args"), CASES, ids=[f"{fn.__name__}{list(a[0]) if a else ''}" for fn, a in CASES]
 )
 def test_eager_case_in_process_mode(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
 
     fn(*args)
-    assert get_runtime().mode == "process"
+    assert get_session().mode == "process"

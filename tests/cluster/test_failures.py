@@ -25,7 +25,7 @@ from torch_dtorch import Replicate, Shard
 from torch_dtorch.cluster.heartbeat import WorkerHangError, WorkerLostError
 from torch_dtorch.cluster.runner import ClusterRunner
 from torch_dtorch.collectives.shm_store import cleanup_stale
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def start(monkeypatch: pytest.MonkeyPatch, slow_op: str) -> tuple[dt.DeviceMesh,
     monkeypatch.setenv("DTORCH_WORKER_IMPORTS", "tests.cluster.worker_hooks")
     monkeypatch.setenv("DTORCH_TEST_SLOW_OP", slow_op)
     mesh = dt.init_device_mesh("cpu", (2,), mode="process")
-    runner = get_runtime().executor.runner
+    runner = get_session().executor.runner
     assert isinstance(runner, ClusterRunner)
     pids = [m.proc.pid for m in runner.members.values() if m.proc is not None]
     return mesh, runner, pids
@@ -135,7 +135,7 @@ import sys, time, torch, torch_dtorch as dt
 mesh = dt.init_device_mesh("cpu", (2,), mode="process")
 x = dt.distribute_tensor(torch.ones(4), mesh, [dt.Shard(0)])
 assert x.full_tensor().sum().item() == 4
-r = dt.device.state.get_runtime().executor.runner
+r = dt.device.state.get_session().executor.runner
 print(" ".join(str(m.proc.pid) for m in r.members.values()), r.net.shm.path, flush=True)
 time.sleep(120)
 """

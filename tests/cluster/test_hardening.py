@@ -33,7 +33,7 @@ _SCRIPT = textwrap.dedent(
     mesh = dt.init_device_mesh("cpu", (2,), mode="process")
     x = dt.distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
     assert (x * 2).full_tensor().tolist() == [2.0 * i for i in range(8)]
-    r = dt.device.state.get_runtime().executor.runner
+    r = dt.device.state.get_session().executor.runner
     pids = [m.proc.pid for m in r.members.values()]
     print(json.dumps({"pids": pids, "paths": owned_paths(r)}), flush=True)
     print("END", flush=True)
@@ -97,7 +97,7 @@ def test_killed_controller_leaves_nothing_behind() -> None:
 
 def test_signed_message_flood_is_counted_not_kept() -> None:
     mesh = dt.init_device_mesh("cpu", (2,), mode="process")
-    r = dt.device.state.get_runtime().executor.runner
+    r = dt.device.state.get_session().executor.runner
     x = dt.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
     import zmq
 
@@ -170,6 +170,6 @@ def test_factory_larger_than_host_ram_is_refused_in_process_mode() -> None:
     with pytest.raises(DeviceMemoryError, match=r"aten.ones.default: not enough memory on host RAM") as e:
         dt.ones(rows, 1024, device_mesh=mesh, placements=[Replicate()])
     assert isinstance(e.value, torch.OutOfMemoryError) and f"float32[{rows}, 1024] R" in str(e.value)
-    r = dt.device.state.get_runtime().executor.runner
+    r = dt.device.state.get_session().executor.runner
     assert r.failure is None and all(alive(m.proc.pid) for m in r.members.values())
     torch.testing.assert_close((x + 1).full_tensor(), torch.arange(4.0) + 1)

@@ -18,7 +18,7 @@ import torch_dtorch as dt
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.cluster.protocol import ClusterConfig, write_secret_file
 from torch_dtorch.cluster.runner import ClusterRunner
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def run_cluster(controller_host: str, procs: list[subprocess.Popen[str]], secret
     x = torch.randn(6, 5)
     d = dt.distribute_tensor(x, mesh, [Shard(0)])
     torch.testing.assert_close((d * 2).redistribute(mesh, [Replicate()]).full_tensor(), x * 2)
-    runner = get_runtime().executor.runner
+    runner = get_session().executor.runner
     assert isinstance(runner, ClusterRunner)
     return runner
 

@@ -16,7 +16,7 @@ from torch_dtorch import Partial, Replicate, Shard
 from torch_dtorch.cluster.runner import ClusterRunner
 from torch_dtorch.cluster.transport import MessageKind
 from torch_dtorch.cluster.transport.wire import encode
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def mesh(request: pytest.FixtureRequest) -> dt.DeviceMesh:
 
 
 def runner() -> ClusterRunner:
-    r = get_runtime().executor.runner
+    r = get_session().executor.runner
     assert isinstance(r, ClusterRunner)
     return r
 
@@ -38,7 +38,7 @@ def test_workers_are_processes_and_results_equal_thread_mode(mesh: dt.DeviceMesh
     r = runner()
     pids = [m.proc.pid for m in r.members.values() if m.proc is not None]
     assert len(pids) == 3 and os.getpid() not in pids and all(alive(p) for p in pids)
-    assert get_runtime().mode == "process"
+    assert get_session().mode == "process"
     torch.manual_seed(0)
     x, w1, w2 = torch.randn(7, 10), torch.randn(13, 10), torch.randn(5, 13)
     dx = dt.distribute_tensor(x, mesh, [Shard(0)])

@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any
 
-from torch_dtorch.runtime import kernel as kernel_mod
+from torch_dtorch.runtime import op_runner as kernel_mod
 
 
 def _parse(var: str) -> list[str] | None:

@@ -192,9 +192,9 @@ class _Recorder:
 
 @contextlib.contextmanager
 def _record() -> Iterator[_Recorder]:
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
 
-    listeners = get_runtime().executor.constructor.listeners
+    listeners = get_session().executor.constructor.listeners
     rec = _Recorder()
     listeners.append(rec)
     try:

@@ -13,9 +13,9 @@ import torch_dtorch as dt
 from tests.eager.conftest import init_mesh, thread_only
 from torch_dtorch import Partial, Replicate, Shard
 from torch_dtorch.device.binding import NoMeshError
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 from torch_dtorch.errors import AsStridedError, NoRuleError
-from torch_dtorch.runtime import kernel as kernel_mod
+from torch_dtorch.runtime import op_runner as kernel_mod
 
 
 def mesh4() -> dt.DeviceMesh:
@@ -98,7 +98,7 @@ def test_kernel_failure_is_sticky_and_named_and_unrelated_work_continues(
 def test_freed_operands_do_not_accumulate() -> None:
     mesh = init_mesh((2,))
     x = dt.distribute_tensor(torch.randn(16, 16), mesh, [Shard(0)])
-    ex = get_runtime().executor
+    ex = get_session().executor
     dt.sync()
     workers = ex.runner.workers
     before = max(len(w.blobs) for w in workers.values())
@@ -122,7 +122,7 @@ def test_redistributed_input_copies_are_freed() -> None:
     mesh = init_mesh((4,))
     a = dt.distribute_tensor(torch.randn(16, 16), mesh, [Shard(0)])
     b = dt.distribute_tensor(torch.randn(16, 16), mesh, [Replicate()])
-    workers = get_runtime().executor.runner.workers
+    workers = get_session().executor.runner.workers
     dt.sync()
     before = max(len(w.blobs) for w in workers.values())
     for _ in range(500):
@@ -137,7 +137,7 @@ def test_redistributed_input_copies_are_freed() -> None:
     dt.sync()
     before = max(len(w.blobs) for w in workers.values())
     views = [s1.view(256) for _ in range(50)]
-    owned = get_runtime().executor._owned
+    owned = get_session().executor._owned
     assert len(owned) == 50
     torch.testing.assert_close(views[-1].full_tensor(), s1.full_tensor().view(256))
     del views
@@ -153,7 +153,7 @@ def test_copy_from_plain_tensors_frees_the_old_value() -> None:
     on the workers, and an unbound tensor's controller-side value is dropped once it is materialized."""
     mesh = init_mesh((2,))
     p = dt.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
-    workers = get_runtime().executor.runner.workers
+    workers = get_session().executor.runner.workers
     dt.sync()
     before = max(len(w.blobs) for w in workers.values())
     for i in range(100):
@@ -229,10 +229,10 @@ def test_unbound_tensors_compute_on_the_controller_until_a_mesh_appears(
     """Before any mesh is in sight (no ``with mesh:``, no op on a mesh yet — e.g. while dynamo traces a model whose
     cache does ``torch.tensor([], device=x.device)``), ops on unbound tensors run on the controller's values and
     stay unbound; the first consumer on a mesh binds them."""
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
 
     mesh = init_mesh((2,))
-    monkeypatch.setattr(get_runtime(), "last_mesh", None)
+    monkeypatch.setattr(get_session(), "last_mesh", None)
     e = torch.tensor([], device="dtorch")
     f = torch.cat([e, torch.arange(3.0, device="dtorch")]) * 2
     assert operand_of(f).mesh is None
@@ -243,7 +243,7 @@ def test_unbound_tensors_compute_on_the_controller_until_a_mesh_appears(
     assert y.placements == (Shard(0),)
     assert torch.equal(y.full_tensor(), torch.ones(4, 3) + torch.tensor([0.0, 2.0, 4.0]))
     with pytest.raises(NoMeshError):  # in-place needs a mesh to write on
-        monkeypatch.setattr(get_runtime(), "last_mesh", None)
+        monkeypatch.setattr(get_session(), "last_mesh", None)
         f.add_(1)
 
 
@@ -272,12 +272,12 @@ def test_redistribute_by_dict_and_partial() -> None:
 
 def test_second_init_reuses_or_restarts_the_pool() -> None:
     a = init_mesh((2,))
-    rt = get_runtime()
+    rt = get_session()
     b = init_mesh((2,))
-    assert get_runtime() is rt and a == b
+    assert get_session() is rt and a == b
     x = dt.distribute_tensor(torch.ones(2), b, [Shard(0)])
     big = init_mesh((8,))  # more devices than the pool has: a clean restart
-    assert get_runtime() is not rt and big.size() == 8
+    assert get_session() is not rt and big.size() == 8
     with pytest.raises(dt.errors.DTorchError, match="restarted|shut down"):
         x + 1
     dt.shutdown()

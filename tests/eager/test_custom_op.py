@@ -86,7 +86,7 @@ def test_custom_op_with_a_rule_runs_sharded() -> None:
 def test_custom_op_runs_on_the_worker_streams_with_its_own_cost() -> None:
     """The body runs once per device, on that device's kernel stream thread, on the device's shard; the recorded
     operator (and the roofline report built from it) carries the FLOPs and bytes of the rule's ``cost=``."""
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
 
     mesh = init_mesh((3,))
     z = torch.randn(7, 5)
@@ -105,7 +105,7 @@ def test_custom_op_runs_on_the_worker_streams_with_its_own_cost() -> None:
     assert y.placements == (Shard(0),)
 
     # on the workers: one run per device, each on its own kernel stream's thread, never on the controller
-    streams = get_runtime().executor.runner.streams
+    streams = get_session().executor.runner.streams
     names = {streams[d]._thread.name: d for d in mesh.devices}
     assert len(names) == 3 and all(name == f"dtorch-worker-{d}" for name, d in names.items())
     assert sorted(name for name, _ in calls) == sorted(names), calls

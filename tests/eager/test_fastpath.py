@@ -84,7 +84,7 @@ def test_constants_are_part_of_the_key() -> None:
 
 
 def test_requires_grad_flows_on_replay() -> None:
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
 
     mesh = init_mesh((2,))
     w = dt.distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch_dtorch as dt
 from tests.eager.conftest import init_mesh
 from torch_dtorch import Replicate, Shard
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 
 aten = torch.ops.aten
 
@@ -56,9 +56,9 @@ def test_call_delivers_its_overload(
     w = dt.distribute_tensor(torch.randn(6, 8, requires_grad=grad), mesh, [Replicate()])
     seen: list[Any] = []
     # every recorded operator (full path and fast path alike) reaches the executor's listeners
-    listeners = get_runtime().executor.constructor.listeners
+    listeners = get_session().executor.constructor.listeners
     monkeypatch.setattr(
-        get_runtime().executor.constructor, "listeners", [*listeners, lambda n: seen.append(n.op)]
+        get_session().executor.constructor, "listeners", [*listeners, lambda n: seen.append(n.op)]
     )
     ctx = torch.no_grad() if grad else torch.inference_mode()
     with ctx:

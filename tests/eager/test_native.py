@@ -21,8 +21,8 @@ import torch_dtorch as dt
 from tests.eager.conftest import init_mesh, thread_only
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.device import fastpath
-from torch_dtorch.device.kernels import operand_of
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.dispatch import operand_of
+from torch_dtorch.device.state import get_session
 from torch_dtorch.device.tensors import TABLE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,8 +78,8 @@ def test_dead_tensors_are_freed_by_the_next_op_or_sync() -> None:
     mesh = init_mesh((2,))
     x = dt.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
     freed: list[int] = []
-    release = get_runtime().executor.release
-    get_runtime().executor.release = lambda oid: (freed.append(oid), release(oid))  # type: ignore[method-assign]
+    release = get_session().executor.release
+    get_session().executor.release = lambda oid: (freed.append(oid), release(oid))  # type: ignore[method-assign]
     try:
         y = x + x
         oid = operand_of(y).id
@@ -97,7 +97,7 @@ def test_dead_tensors_are_freed_by_the_next_op_or_sync() -> None:
         x - x  # the next op frees both
         assert zid in freed and wid in freed
     finally:
-        get_runtime().executor.release = release  # type: ignore[method-assign]
+        get_session().executor.release = release  # type: ignore[method-assign]
 
 
 def test_aliases_keep_the_operand_until_the_last_dies() -> None:
@@ -147,7 +147,7 @@ def test_stale_and_foreign_tensors_are_refused_clearly() -> None:
     mesh = init_mesh((2,))
     x = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
     assert TABLE.entry(torch.randn(2)) is None  # a CPU tensor is not in the table
-    gen = get_runtime().generation
+    gen = get_session().generation
     with pytest.raises(StaleTensorError, match="restarted"):
         TABLE.lookup(x, gen + 1)
 

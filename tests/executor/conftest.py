@@ -10,7 +10,7 @@ import torch
 from torch_dtorch.executor.eager import EagerGraphExecutor
 from torch_dtorch.executor.thread_runner import ThreadRunner
 from torch_dtorch.mesh import DeviceMesh
-from torch_dtorch.runtime import kernel as kernel_module
+from torch_dtorch.runtime import op_runner as kernel_module
 
 MakeExecutor = Callable[..., tuple[EagerGraphExecutor, DeviceMesh]]
 

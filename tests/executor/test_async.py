@@ -13,7 +13,7 @@ from tests.executor.conftest import MakeExecutor
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.instructions import RunOp
 from torch_dtorch.placement import Replicate, Shard
-from torch_dtorch.runtime import kernel as kernel_module
+from torch_dtorch.runtime import op_runner as kernel_module
 
 aten = torch.ops.aten
 SLOW_S = 0.02

@@ -181,7 +181,7 @@ def test_validate_kernel_io_names_op_rank_expected_actual(
     _bad_view_localize(monkeypatch)
     monkeypatch.setattr(get_config(), "validate_kernel_io", True)
     ex, mesh = make_executor((2,))  # validate=None: read from the config (DTORCH_VALIDATE_KERNEL_IO)
-    assert all(w.kernel.validate for w in ex.runner.workers.values())
+    assert all(w.op_runner.validate for w in ex.runner.workers.values())
     x = ex.input((4, 6), mesh, [Shard(0)])
     ex.upload(x, torch.randn(4, 6))
     v = ex.call(aten.view.default, x, [4, 6])

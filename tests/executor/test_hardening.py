@@ -105,7 +105,7 @@ def _fake_pool(mesh_devices: tuple[int, ...], free: int, *, idle: bool = False) 
     from torch_dtorch.executor.memory_check import MemoryGuard, MemoryPool
 
     guard = MemoryGuard([MemoryPool("fake RAM", mesh_devices, lambda: free)], margin=0.0, idle=lambda: idle)
-    dt.device.state.get_runtime().executor.constructor.memory = guard
+    dt.device.state.get_session().executor.constructor.memory = guard
     return guard
 
 
@@ -118,7 +118,7 @@ def test_factory_larger_than_host_ram_is_refused_before_anything_is_sent() -> No
     mesh = dt.init_device_mesh("cpu", (2,))
     x = dt.distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
     rows = avail // (4 * 1024) + 1  # one replica alone is larger than the available RAM
-    ex = dt.device.state.get_runtime().executor
+    ex = dt.device.state.get_session().executor
     flushes, pending = ex.num_flushes, list(ex._pending)
     with pytest.raises(torch.OutOfMemoryError) as e:
         dt.ones(rows, 1024, device_mesh=mesh, placements=[Replicate()])
@@ -148,7 +148,7 @@ def test_memory_check_covers_outputs_uploads_and_redistributes() -> None:
         ):
             torch.mm(x, w)
     finally:
-        dt.device.state.get_runtime().executor.constructor.memory = None
+        dt.device.state.get_session().executor.constructor.memory = None
     torch.testing.assert_close((x + 0).full_tensor().shape, torch.Size([256, 256]))
 
 
@@ -162,18 +162,18 @@ def test_planned_bytes_accumulate_until_freed_or_idle() -> None:
         with pytest.raises(DeviceMemoryError, match="planned and not yet allocated"):
             dt.zeros(256, 256, 2, device_mesh=mesh, placements=[Replicate()])  # 2 x 512 KiB more: not
         del a  # its bytes are no longer planned once its free is queued
-        dt.device.state.get_runtime().executor.flush()
+        dt.device.state.get_session().executor.flush()
         b = dt.zeros(256, 256, 2, device_mesh=mesh, placements=[Replicate()])
         assert guard.planned() == {"fake RAM": 1 << 20}
         del b
     finally:
-        dt.device.state.get_runtime().executor.constructor.memory = None
+        dt.device.state.get_session().executor.constructor.memory = None
     idle = _fake_pool((0, 1), 1 << 20, idle=True)  # the workers are idle: the live figure shows everything
     try:
         keep = [dt.zeros(256, 256, device_mesh=mesh, placements=[Replicate()]) for _ in range(4)]
         assert len(keep) == 4 and idle.checks == 4
     finally:
-        dt.device.state.get_runtime().executor.constructor.memory = None
+        dt.device.state.get_session().executor.constructor.memory = None
 
 
 def test_memory_margin_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ def test_cuda_allocation_larger_than_the_gpu_is_refused(mode: str) -> None:
         x = dt.distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
         torch.testing.assert_close((x + 1).full_tensor().cpu(), torch.arange(8.0) + 1)  # a report arrived
         free, total = torch.cuda.mem_get_info(0)
-        guard = dt.device.state.get_runtime().executor.constructor.memory
+        guard = dt.device.state.get_session().executor.constructor.memory
         assert guard is not None and [p.name for p in guard.pools][0].startswith("cuda:0")
         rows = total // (4 * 1024) + 1  # one replica alone is larger than the whole GPU
         with pytest.raises(torch.cuda.OutOfMemoryError) as e:

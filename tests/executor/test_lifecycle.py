@@ -14,7 +14,7 @@ from torch_dtorch.executor.instructions import Fetch
 from torch_dtorch.executor.thread_runner import ThreadRunner
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Replicate, Shard
-from torch_dtorch.runtime import kernel as kernel_module
+from torch_dtorch.runtime import op_runner as kernel_module
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ import torch_dtorch as dt
 from tests.cluster.stream_stress import run_interleaved_program
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.config import get_config
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules import LocalContext, OpCall, get_rule
 from torch_dtorch.runtime.blob import KernelError
@@ -78,7 +78,7 @@ def mesh() -> Iterator[dt.DeviceMesh]:
 
 
 def _replayed() -> int:
-    return sum(w.replayed for w in get_runtime().executor.runner.workers.values())
+    return sum(w.replayed for w in get_session().executor.runner.workers.values())
 
 
 def test_hits_are_replayed_and_equal_torch(mesh: dt.DeviceMesh) -> None:
@@ -112,7 +112,7 @@ def test_a_failing_replay_poisons_its_outputs_only(
         return run(self, local)
 
     monkeypatch.setattr(LocalCall, "run", failing)
-    for w in get_runtime().executor.runner.workers.values():
+    for w in get_session().executor.runner.workers.values():
         monkeypatch.setattr(w, "_chain", None)  # the Python replay (the native loop's errors: test below)
     bad = a * 3.0
     fine = a + 1.0
@@ -158,7 +158,7 @@ def test_decoded_templates_carry_a_replay_key() -> None:
         mesh = dt.init_device_mesh("cpu", (2,))
         a = dt.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
         batches: list[list[object]] = []
-        ex = get_runtime().executor
+        ex = get_session().executor
         submit = ex.runner.submit
 
         def spy(batch: list[object]) -> None:
@@ -186,7 +186,7 @@ def test_decoded_templates_carry_a_replay_key() -> None:
 
 
 def _chains_ran() -> int:
-    return sum(w._chain.ran for w in get_runtime().executor.runner.workers.values() if w._chain is not None)
+    return sum(w._chain.ran for w in get_session().executor.runner.workers.values() if w._chain is not None)
 
 
 @pytest.mark.skipif(native_extension() is None, reason="the native worker loop is not built here")

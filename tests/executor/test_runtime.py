@@ -14,8 +14,8 @@ from torch.overrides import _get_current_function_mode_stack
 from tests.executor.conftest import MakeExecutor
 from torch_dtorch.placement import Shard
 from torch_dtorch.runtime import Blob, KernelError, KernelIOError, KernelStream
-from torch_dtorch.runtime import kernel as kernel_module
-from torch_dtorch.runtime.kernel import PoisonBoard
+from torch_dtorch.runtime import op_runner as kernel_module
+from torch_dtorch.runtime.op_runner import PoisonBoard
 
 aten = torch.ops.aten
 

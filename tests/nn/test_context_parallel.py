@@ -12,7 +12,7 @@ from tests.eager.conftest import thread_only
 from tests.nn.conftest import init_mesh
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.placement_rules.families import context_parallel as cpm
-from torch_dtorch.runtime import kernel as kernel_mod
+from torch_dtorch.runtime import op_runner as kernel_mod
 
 #: (mesh axis names, sizes, L, S, causal, gqa, mask)
 FAST = [

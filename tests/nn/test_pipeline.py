@@ -13,7 +13,7 @@ import torch_dtorch as dt
 from tests.nn.conftest import init_mesh
 from torch_dtorch.executor.instructions import RunOp
 from torch_dtorch.nn.pipeline import assign_layers_to_stages, pipeline_forward, pipeline_parallel
-from torch_dtorch.runtime import kernel as kernel_mod
+from torch_dtorch.runtime import op_runner as kernel_mod
 
 
 def test_assign_layers_to_stages() -> None:

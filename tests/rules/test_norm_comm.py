@@ -61,9 +61,9 @@ def _mesh(shape: tuple[int, ...]) -> dt.DeviceMesh:
 @contextlib.contextmanager
 def _operators() -> Iterator[list[Any]]:
     """Every operator the controller adds while the block runs (redistributes included)."""
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
 
-    listeners = get_runtime().executor.constructor.listeners
+    listeners = get_session().executor.constructor.listeners
     seen: list[Any] = []
     listeners.append(seen.append)
     try:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.eager.conftest import _shutdown_at_end, init_mesh  # noqa: F401 - the session fixture and helper
-from torch_dtorch.runtime import kernel as kernel_module
+from torch_dtorch.runtime import op_runner as kernel_module
 
 __all__ = ["init_mesh"]
 

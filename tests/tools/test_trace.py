@@ -17,7 +17,7 @@ from tests.eager.conftest import thread_only
 from tests.tools.conftest import init_mesh
 from torch_dtorch.executor.instructions import RunOp
 from torch_dtorch.nn.pipeline import pipeline_forward, pipeline_parallel
-from torch_dtorch.runtime import kernel as kernel_mod
+from torch_dtorch.runtime import op_runner as kernel_mod
 
 REQUIRED = {"ph", "ts", "pid", "tid", "name"}
 PHASES = {"X", "B", "E", "i", "I", "M", "C"}
@@ -129,11 +129,11 @@ def test_cuda_spans_are_timed_with_events() -> None:
 def test_a_late_worker_timeline_is_dropped_from_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that only answers after ``collect``'s deadline: its timeline is skipped with a warning and taken out
     of the store when it arrives (it used to stay there for the rest of the run)."""
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
     from torch_dtorch.tools import remote_profile
 
     mesh = init_mesh((2,))
-    ex = get_runtime().executor
+    ex = get_session().executor
     store = ex.runner.store
     x = dt.distribute_tensor(torch.ones(4), mesh, [dt.Shard(0)])
     dt.sync()

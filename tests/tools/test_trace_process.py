@@ -21,7 +21,7 @@ import torch_dtorch as dt
 from tests.tools.test_trace import validate_trace
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.cluster.runner import ClusterRunner
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 from torch_dtorch.tools import remote_profile
 from torch_dtorch.tools.spans import Span, span_from_dict, span_to_dict
 
@@ -40,7 +40,7 @@ def mesh() -> Iterator[dt.DeviceMesh]:
 
 
 def worker_pids() -> dict[int, int]:
-    r = get_runtime().executor.runner
+    r = get_session().executor.runner
     assert isinstance(r, ClusterRunner)
     return {d: m.proc.pid for d, m in r.members.items() if m.proc is not None}  # type: ignore[misc]
 
@@ -131,7 +131,7 @@ def test_worker_dies_mid_profile(mesh: dt.DeviceMesh, caplog: pytest.LogCaptureF
     assert all(s.device in (0, 1) for s in prof.spans)
     # let the runner's failure clean-up start before the module's shutdown (ClusterRunner.shutdown may join its
     # abort thread between creating and starting it)
-    runner = get_runtime().executor.runner
+    runner = get_session().executor.runner
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and (runner._abort is None or runner._abort.ident is None):
         time.sleep(0.01)

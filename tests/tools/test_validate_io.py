@@ -11,7 +11,7 @@ import torch
 import torch_dtorch as dt
 from tests.eager.conftest import thread_only
 from tests.tools.conftest import init_mesh
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.state import get_session
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.runtime import KernelIOError
 
@@ -30,8 +30,8 @@ def test_wrong_local_shape_is_named(monkeypatch: pytest.MonkeyPatch, validate: b
         return out[:, :-1] if ctx.device == 1 else out  # a buggy rule: drops a column on rank 1
 
     monkeypatch.setattr(rule, "kernel", kernel)
-    for w in get_runtime().executor.runner.workers.values():
-        monkeypatch.setattr(w.kernel, "validate", validate)
+    for w in get_session().executor.runner.workers.values():
+        monkeypatch.setattr(w.op_runner, "validate", validate)
     x = dt.distribute_tensor(torch.randn(4, 6), mesh, [dt.Shard(0)])
     y = torch.tanh(x)
     if not validate:

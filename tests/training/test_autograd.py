@@ -15,8 +15,8 @@ import torch_dtorch as dt
 from tests.eager.conftest import thread_only
 from tests.training.conftest import init_mesh
 from torch_dtorch import Partial, Replicate, Shard
-from torch_dtorch.device.kernels import operand_of
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.dispatch import operand_of
+from torch_dtorch.device.state import get_session
 from torch_dtorch.errors import BackwardNotSupportedError
 
 R = Replicate()
@@ -218,7 +218,7 @@ def test_gradients_accumulate_and_zero_grad_frees() -> None:
     assert w.grad.placements == (Shard(1),)
     grad_id = operand_of(w.grad).id
     dt.sync()
-    workers = {d: wk for d, wk in get_runtime().executor.runner.workers.items() if d in mesh.devices}
+    workers = {d: wk for d, wk in get_session().executor.runner.workers.items() if d in mesh.devices}
     assert all(grad_id in wk.blobs for wk in workers.values())
     torch.optim.SGD([w], lr=0.1).zero_grad(set_to_none=True)
     assert w.grad is None

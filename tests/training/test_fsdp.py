@@ -90,14 +90,14 @@ def test_reshard_after_forward_frees_gathered_parameters(monkeypatch: pytest.Mon
     dropped after the forward and gathered again in backward; the gradients are the same."""
     import gc
 
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
     from torch_dtorch.nn import fsdp
 
     regathered = []
     real_unpack = fsdp._unpack
     monkeypatch.setattr(fsdp, "_unpack", lambda x: (regathered.append(type(x).__name__), real_unpack(x))[1])
     mesh = init_mesh((2,), mesh_dim_names=("dp",))
-    workers = {d: w for d, w in get_runtime().executor.runner.workers.items() if d in mesh.devices}
+    workers = {d: w for d, w in get_session().executor.runner.workers.items() if d in mesh.devices}
     x = torch.randn(6, 6)
     live, grads = {}, {}
     for reshard in (False, True):

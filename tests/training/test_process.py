@@ -31,9 +31,9 @@ def mesh() -> Iterator[dt.DeviceMesh]:
 
 
 def test_tiny_lm_training_steps_on_processes(mesh: dt.DeviceMesh) -> None:
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
 
-    assert get_runtime().mode == "process"
+    assert get_session().mode == "process"
     torch.manual_seed(0)
     ref = TinyLM()
     plan = {

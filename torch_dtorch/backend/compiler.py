@@ -9,8 +9,8 @@ from typing import Any
 from torch import fx
 
 from torch_dtorch.backend.capture import capture, needs_grad
+from torch_dtorch.backend.compiled import CompiledGraph
 from torch_dtorch.backend.options import CompileOptions, CompileOptionsError
-from torch_dtorch.backend.runtime import CompiledGraph
 
 __all__ = ["compile_graph"]
 

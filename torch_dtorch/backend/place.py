@@ -102,7 +102,7 @@ def place_target(
 @torch.library.custom_op("dtorch::place", mutates_args=())
 def _place_op(x: torch.Tensor, mesh: int, axis: int, placement: str, strict: bool, what: str) -> torch.Tensor:
     from torch_dtorch.api import redistribute
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
 
     op = operand_of(x)
     tgt = place_target(op.mesh, op.root_placements, x.ndim, mesh, axis, placement, strict, what)

@@ -34,7 +34,7 @@ from torch_dtorch.backend.local import (
     build_local_program,
 )
 from torch_dtorch.executor.worker import Worker, register_instruction
-from torch_dtorch.runtime import kernel as _kernel_mod
+from torch_dtorch.runtime import op_runner as _kernel_mod
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.stream import COMPUTE
 
@@ -165,7 +165,7 @@ def _compile_segment(
 
 
 def _collective(worker: Worker, step: CollectiveStep, x: torch.Tensor | None) -> torch.Tensor | None:
-    execute_plan = worker.kernel.execute_plan
+    execute_plan = worker.op_runner.execute_plan
     if worker.torch_device.type == "cuda":
         # in-memory collectives compute results on whichever rank's thread arrives last: sync around them
         torch.cuda.synchronize(worker.torch_device)
@@ -265,7 +265,7 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
     stream = worker.stream
     if stream is not None and stream.is_cuda:
         stream.wait_for(in_blobs, COMPUTE)
-    board = worker.kernel.board
+    board = worker.op_runner.board
     key = instr.out_ids[0] if instr.out_ids else None
     posted = False
     fns = loaded.fns
@@ -316,7 +316,7 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
             vals[r] = None
     if err is None and board is not None and key is not None and prog.num_collectives:
         err = board.get(key)
-    if err is None and worker.kernel.validate:
+    if err is None and worker.op_runner.validate:
         err = _validate(worker, loaded, prog, vals)  # type: ignore[assignment]
     new: list[Blob] = []
     for oid, out_slot in zip(instr.out_ids, prog.out_slots):
@@ -342,7 +342,7 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
 
 
 def _validate(worker: Worker, loaded: _Loaded, prog: LocalProgram, vals: list[Any]) -> KernelError | None:
-    from torch_dtorch.runtime.kernel import KernelIOError
+    from torch_dtorch.runtime.op_runner import KernelIOError
 
     results: Any = prog.graph.output_node().args[0]
     for i, s in enumerate(prog.out_slots):

@@ -325,7 +325,7 @@ class TorchDistComm:
     records the tensors for the allocator — so a worker needs no host synchronization around them.
     """
 
-    #: read by :class:`~torch_dtorch.runtime.kernel.Kernel`: no host synchronization around redistributes
+    #: read by :class:`~torch_dtorch.runtime.op_runner.OpRunner`: no host synchronization around redistributes
     stream_ordered = True
 
     def __init__(

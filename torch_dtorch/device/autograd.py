@@ -31,7 +31,7 @@ class _Redistribute(torch.autograd.Function):
         ctx: Any, t: torch.Tensor, mesh: DeviceMesh | None, placements: Sequence[Placement] | None
     ) -> torch.Tensor:
         from torch_dtorch.api import redistribute
-        from torch_dtorch.device.kernels import operand_of
+        from torch_dtorch.device.dispatch import operand_of
 
         src = operand_of(t)
         ctx.src_mesh = src.mesh
@@ -63,7 +63,7 @@ class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         from torch_dtorch.api import to_torch
-        from torch_dtorch.device.kernels import operand_of
+        from torch_dtorch.device.dispatch import operand_of
 
         src = operand_of(t)
         ctx.src_mesh = src.mesh
@@ -96,7 +96,7 @@ def _grad_hook(param: torch.Tensor):  # noqa: ANN202
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         from torch_dtorch.api import redistribute
-        from torch_dtorch.device.kernels import operand_of
+        from torch_dtorch.device.dispatch import operand_of
         from torch_dtorch.device.tensors import is_dtorch
 
         p = ref()

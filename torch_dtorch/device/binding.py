@@ -20,7 +20,7 @@ from torch_dtorch.mesh import DeviceMesh, current_mesh
 from torch_dtorch.placement import Replicate
 
 if TYPE_CHECKING:
-    from torch_dtorch.device.state import Runtime
+    from torch_dtorch.device.state import Session
 
 __all__ = ["Deferred", "NoMeshError", "bind", "defer_factory", "defer_upload", "fallback_mesh", "host_value"]
 
@@ -42,19 +42,19 @@ class Deferred:
 _DEFERRED: dict[int, Deferred] = {}
 
 
-def _unbound(rt: Runtime, meta: TensorMeta, deferred: Deferred) -> Operand:
+def _unbound(rt: Session, meta: TensorMeta, deferred: Deferred) -> Operand:
     operand = rt.executor.input(meta.shape, None, dtype=meta.dtype)
     _DEFERRED[operand.id] = deferred
     return operand
 
 
 def defer_factory(
-    rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], meta: TensorMeta
+    rt: Session, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], meta: TensorMeta
 ) -> Operand:
     return _unbound(rt, meta, Deferred("factory", op, args, dict(kwargs)))
 
 
-def defer_upload(rt: Runtime, value: torch.Tensor) -> Operand:
+def defer_upload(rt: Session, value: torch.Tensor) -> Operand:
     value = value.detach()
     return _unbound(rt, TensorMeta.of(value), Deferred("upload", value=value))
 
@@ -73,7 +73,7 @@ def forget(operand: Operand) -> None:
     _DEFERRED.pop(operand.id, None)
 
 
-def fallback_mesh(rt: Runtime, what: str) -> DeviceMesh:
+def fallback_mesh(rt: Session, what: str) -> DeviceMesh:
     mesh = current_mesh() or rt.last_mesh
     if mesh is None:
         raise NoMeshError(
@@ -83,7 +83,7 @@ def fallback_mesh(rt: Runtime, what: str) -> DeviceMesh:
     return mesh
 
 
-def bind(rt: Runtime, x: Operand, mesh: DeviceMesh) -> Operand:
+def bind(rt: Session, x: Operand, mesh: DeviceMesh) -> Operand:
     """The operand ``x`` materialized (Replicate) on ``mesh``; ``x`` itself when it is already bound."""
     if x.mesh is not None:
         return x

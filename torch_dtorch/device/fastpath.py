@@ -1,6 +1,6 @@
 """The eager fast path: a per-op cache keyed by (input layouts, constant arguments) that replays a plan.
 
-The first call of an op on given input layouts goes the full way (:func:`torch_dtorch.device.kernels.dispatch`:
+The first call of an op on given input layouts goes the full way (:func:`torch_dtorch.device.dispatch.dispatch`:
 operands, binding, rule matching, planning). If that call was not in place and took only bound dtorch tensors in
 top-level positional slots, the op's :class:`FastOp` keeps a :class:`_Template` of what was decided — the rule,
 the redistributes of its inputs, the output metadata/placements, the device assignment and cost. Later calls with the same
@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from torch_dtorch.device import kernels, state
+from torch_dtorch.device import dispatch, state
 from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.executor.constructor import redistribute_spec
 from torch_dtorch.executor.fast import FastPlan
@@ -127,7 +127,7 @@ class FastOp:
         self.view_of = view_of
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        rt = state._RUNTIME
+        rt = state._SESSION
         if rt is None:
             return MISS
         gen = rt.generation
@@ -188,7 +188,7 @@ class FastOp:
                 inputs[k] = None
         outs = rt.executor.record_fast(tpl.plan, tuple(targs), inputs)
         rt.last_mesh = tpl.mesh
-        on_free = kernels._free_callback(rt)
+        on_free = dispatch._free_callback(rt)
         wrap = TABLE.wrap_view if self.view_of is not None and not args[0].is_inference() else TABLE.wrap
         if self.kind == "single":
             return wrap(outs[0], gen, on_free, tpl.out_layouts[0])
@@ -202,7 +202,7 @@ class FastOp:
         stats["miss"] += 1
         constructor = rt.executor.constructor
         before = constructor.last_call
-        out = kernels.dispatch(self.op, args, kwargs)
+        out = dispatch.dispatch_op(self.op, args, kwargs)
         last = constructor.last_call
         if last is None or last is before:
             return out
@@ -251,7 +251,7 @@ def fast_op(op: Any) -> FastOp | None:
         return _FAST[op]
     fast: FastOp | None = None
     schema = getattr(op, "_schema", None)
-    if schema is not None and op not in kernels.RANDOM_OPS:
+    if schema is not None and op not in dispatch.RANDOM_OPS:
         rule = get_rule(op)
         specs = tensor_slot_specs(op)
         rets = schema.returns
@@ -279,7 +279,7 @@ NATIVE: Any = TABLE._m if TABLE.native else None  # type: ignore[union-attr]
 
 def _native_hit(tpl: _Template, inputs: list[Operand | None]) -> list[Operand] | None:
     """A hit of the native kernel: record the operator; the kernel makes the output tensors. ``None``: no runtime."""
-    rt = state._RUNTIME
+    rt = state._SESSION
     if rt is None:
         return None
     stats["hit"] += 1
@@ -311,7 +311,7 @@ def native_kernel(op: Any, fast: FastOp) -> Any:
         hits, misses = stats["hit"], stats["miss"]
         out = fast(args, kwargs)
         if out is miss:
-            out = kernels.dispatch(op, args, kwargs)
+            out = dispatch.dispatch_op(op, args, kwargs)
         stats["hit"], stats["miss"] = hits, misses + 1
         return out
 

@@ -28,7 +28,7 @@ def _need(t: torch.Tensor, what: str) -> None:
 
 def _placements(self: torch.Tensor) -> Placements:
     _need(self, "placements")
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
 
     operand = operand_of(self)
     return operand.placements if operand.mesh is not None else (Replicate(),)
@@ -36,7 +36,7 @@ def _placements(self: torch.Tensor) -> Placements:
 
 def _device_mesh(self: torch.Tensor) -> DeviceMesh | None:
     _need(self, "device_mesh")
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
 
     return operand_of(self).mesh
 
@@ -64,10 +64,10 @@ def _full_tensor(self: torch.Tensor) -> torch.Tensor:
 def _to_local(self: torch.Tensor, rank: int | None = None) -> torch.Tensor:
     """The shard device ``rank`` holds (a copy on the controller). ``rank`` may be omitted on a 1-device mesh."""
     _need(self, "to_local")
-    from torch_dtorch.device.kernels import operand_of
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.dispatch import operand_of
+    from torch_dtorch.device.state import get_session
 
-    rt = get_runtime()
+    rt = get_session()
     operand = operand_of(self, rt)
     if operand.mesh is None:
         from torch_dtorch.api import to_torch

@@ -17,7 +17,7 @@ from torch_dtorch._compat import (
     has_kernel_for_dispatch_key,
     setup_privateuse1_python_backend,
 )
-from torch_dtorch.device import fastpath, kernels
+from torch_dtorch.device import dispatch, fastpath
 from torch_dtorch.device.rng import install_rng_functions
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
 from torch_dtorch.placement_rules import intercept_list, registered_ops
@@ -53,7 +53,7 @@ def _generic(op: Any):  # noqa: ANN202
     if fast is None:
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
-            return kernels.dispatch(op, args, kwargs)
+            return dispatch.dispatch_op(op, args, kwargs)
 
     else:
         miss = fastpath.MISS
@@ -61,7 +61,7 @@ def _generic(op: Any):  # noqa: ANN202
         def kernel(*args: Any, **kwargs: Any) -> Any:
             out = fast(args, kwargs)
             if out is miss:
-                return kernels.dispatch(op, args, kwargs)
+                return dispatch.dispatch_op(op, args, kwargs)
             return out
 
     kernel.__name__ = f"dtorch_{op}"
@@ -110,18 +110,18 @@ def _to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     if not is_dtorch(self):
         # cpu/cuda tensor .to("dtorch"): an unbound Replicate value, uploaded when a mesh is known
         from torch_dtorch.device import binding
-        from torch_dtorch.device.state import get_runtime
+        from torch_dtorch.device.state import get_session
 
-        rt = get_runtime()
+        rt = get_session()
         value = self.detach().to(dtype=kwargs.get("dtype") or self.dtype)
         mesh = binding.current_mesh()
         if mesh is None:
-            return kernels.wrap(rt, binding.defer_upload(rt, value.clone()))
+            return dispatch.wrap(rt, binding.defer_upload(rt, value.clone()))
         operand = rt.executor.input(tuple(value.shape), mesh, None, dtype=value.dtype)
         rt.executor.upload(operand, value)
-        return kernels.wrap(rt, operand)
+        return dispatch.wrap(rt, operand)
     if device is None or torch.device(device).type == DEVICE_NAME:
-        return kernels.dispatch(
+        return dispatch.dispatch_op(
             aten._to_copy.default, (self,), {k: v for k, v in kwargs.items() if k != "device"}
         )
     # leaving the dtorch device: a sync point that gathers the global value
@@ -137,7 +137,7 @@ def _leaving(op: Any, target: Any):  # noqa: ANN202
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         device = target(args, kwargs)
         if device is None or torch.device(device).type == DEVICE_NAME:
-            return kernels.dispatch(op, (self, *args), kwargs)
+            return dispatch.dispatch_op(op, (self, *args), kwargs)
         from torch_dtorch.api import to_torch
 
         return op(to_torch(self), *args, **kwargs)  # the same overload on the gathered torch tensor
@@ -161,27 +161,27 @@ def _other_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     from torch_dtorch.api import to_torch
     from torch_dtorch.device import binding
-    from torch_dtorch.device.state import get_runtime
+    from torch_dtorch.device.state import get_session
 
-    rt = get_runtime()
+    rt = get_session()
     if is_dtorch(dst) and not is_dtorch(src):
         value = src.detach().to(dst.dtype).expand(dst.shape).clone()
-        dst_operand = kernels.operand_of(dst, rt)
+        dst_operand = dispatch.operand_of(dst, rt)
         if dst_operand.mesh is None:
-            kernels.rebind(rt, dst, binding.defer_upload(rt, value))
+            dispatch.rebind(rt, dst, binding.defer_upload(rt, value))
         else:
             new = rt.executor.input(value.shape, dst_operand.mesh, dst_operand.placements, dtype=dst.dtype)
             rt.executor.upload(new, value)
-            kernels.rebind(rt, dst, new)
+            dispatch.rebind(rt, dst, new)
         # dst's storage (the only one standing for the old value) now holds the upload: free the old value
-        kernels._free_callback(rt)(dst_operand)
+        dispatch._free_callback(rt)(dst_operand)
         return dst
     if is_dtorch(src) and not is_dtorch(dst):
         dst.copy_(to_torch(src))
         return dst
     # dtorch -> dtorch: the functional copy, then dst's storage stands for the result
-    out = kernels.dispatch(aten.copy.default, (dst, src), {})
-    kernels.rebind(rt, dst, kernels.operand_of(out, rt))
+    out = dispatch.dispatch_op(aten.copy.default, (dst, src), {})
+    dispatch.rebind(rt, dst, dispatch.operand_of(out, rt))
     return dst
 
 
@@ -220,12 +220,12 @@ def _local_scalar_dense(self: torch.Tensor) -> Any:
 
 
 def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> torch.Tensor:
-    return kernels.dispatch(aten.empty.memory_format, (list(size),), kwargs)
+    return dispatch.dispatch_op(aten.empty.memory_format, (list(size),), kwargs)
 
 
 def _as_strided(self: torch.Tensor, size: Any, stride: Any, storage_offset: Any = None) -> torch.Tensor:
-    kernels.check_as_strided(aten.as_strided.default, (self,))
-    return kernels.dispatch(aten.as_strided.default, (self, size, stride, storage_offset), {})
+    dispatch.check_as_strided(aten.as_strided.default, (self,))
+    return dispatch.dispatch_op(aten.as_strided.default, (self, size, stride, storage_offset), {})
 
 
 _COMPOSITE_EXPLICIT = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
@@ -272,11 +272,11 @@ def _sync_kernel(op: Any, inner: Any):  # noqa: ANN202
         if inner is not None and not is_sync_call(op, args, kwargs):
             return inner(*args, **kwargs)
         from torch_dtorch.api import distribute_tensor, to_torch
-        from torch_dtorch.device.state import get_runtime
+        from torch_dtorch.device.state import get_session
 
-        rt = get_runtime()
+        rt = get_session()
         meshes = [
-            kernels.operand_of(t, rt).mesh
+            dispatch.operand_of(t, rt).mesh
             for t in pytree.tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and is_dtorch(t)
         ]
@@ -325,7 +325,7 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
             return _out_kernel(op, functional, via_dispatcher=True)(*args, **kwargs)
         finally:
             active.discard(op)
-    return kernels.dispatch(op, args, kwargs)
+    return dispatch.dispatch_op(op, args, kwargs)
 
 
 def register_kernels(ops: Any) -> list[Any]:
@@ -379,7 +379,7 @@ def _out_kernel(out_op: Any, functional: Any, *, via_dispatcher: bool = False): 
         if via_dispatcher:
             result = functional(*args, **kwargs)
         else:
-            result = kernels.dispatch(functional, args, kwargs)
+            result = dispatch.dispatch_op(functional, args, kwargs)
         results = list(result) if isinstance(result, (list, tuple)) else [result]
         if len(outs) == 1 and isinstance(outs[0], (list, tuple)):  # ``Tensor(a!)[] out``: returns nothing
             for o, r in zip(outs[0], results, strict=True):
@@ -398,12 +398,12 @@ def _copy_out(out_op: Any, o: torch.Tensor, r: torch.Tensor) -> None:
             f"{out_op}: out= tensor of shape {tuple(o.shape)} would be resized to {tuple(r.shape)}; "
             "dtorch tensors cannot be resized — pass an out tensor of the result's shape"
         )
-    kernels.dispatch(aten.copy_.default, (o, r), {})
+    dispatch.dispatch_op(aten.copy_.default, (o, r), {})
 
 
 def _random_inplace(op: Any):  # noqa: ANN202
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return kernels.random_inplace(op, self, *args, **kwargs)
+        return dispatch.random_inplace(op, self, *args, **kwargs)
 
     kernel.__name__ = f"dtorch_random_{op}"
     return kernel
@@ -422,7 +422,7 @@ def _masked_outputs(op: Any):  # noqa: ANN202
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         present = present_outputs(op, args, kwargs)
-        out = kernels.dispatch(op, args, kwargs)
+        out = dispatch.dispatch_op(op, args, kwargs)
         got = iter(out if isinstance(out, (list, tuple)) else (out,))
         return tuple(next(got) if p else None for p in present)
 
@@ -469,7 +469,7 @@ def ensure_registered() -> None:
                 continue
             lib.impl(_schema_name(out_op), _out_kernel(out_op, functional), "PrivateUse1")
             _KERNELS[out_op] = "out"
-        for op in kernels.RANDOM_INPLACE_OPS:
+        for op in dispatch.RANDOM_INPLACE_OPS:
             if op not in _KERNELS:
                 lib.impl(_schema_name(op), _random_inplace(op), "PrivateUse1")
                 _KERNELS[op] = "random"

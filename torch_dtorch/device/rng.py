@@ -28,9 +28,9 @@ __all__ = ["RNG_FUNCTIONS", "install_rng_functions"]
 
 
 def _controller_device() -> torch.device:
-    from torch_dtorch.device.state import runtime_or_none
+    from torch_dtorch.device.state import session_or_none
 
-    rt = runtime_or_none()
+    rt = session_or_none()
     if rt is None or rt.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(rt.device_type, 0)

@@ -17,17 +17,17 @@ if TYPE_CHECKING:
     from torch_dtorch.executor.eager import EagerGraphExecutor
     from torch_dtorch.mesh import DeviceMesh
 
-__all__ = ["NoRuntimeError", "Runtime", "get_runtime", "runtime_or_none", "shutdown", "start_runtime"]
+__all__ = ["NoSessionError", "Session", "get_session", "session_or_none", "shutdown", "start_session"]
 
 log = logging.getLogger(__name__)
 
 
-class NoRuntimeError(DTorchError, RuntimeError):
+class NoSessionError(DTorchError, RuntimeError):
     """A dtorch op ran before ``init_device_mesh`` started workers (or after ``shutdown``)."""
 
 
 @dataclass
-class Runtime:
+class Session:
     device_type: str
     num_devices: int
     simulate: bool
@@ -45,7 +45,7 @@ class Runtime:
 
 
 _LOCK = threading.RLock()
-_RUNTIME: Runtime | None = None
+_SESSION: Session | None = None
 _GENERATION = 0
 
 
@@ -91,22 +91,22 @@ def _make_runner(
     return ThreadRunner(devices, device_type=device_type, simulate=simulate)
 
 
-def start_runtime(
+def start_session(
     device_type: str,
     num_devices: int,
     *,
     simulate: bool = False,
     mode: str | None = None,
     cluster: ClusterConfig | None = None,
-) -> Runtime:
+) -> Session:
     """Start (or reuse) the worker pool. A compatible running pool with enough devices (same mode, not failed) is
     reused; otherwise the old pool is shut down cleanly first (a notebook cell re-run), which invalidates its
     tensors. ``mode``: ``"thread"`` or ``"process"`` (default ``DTORCH_MODE``)."""
-    global _RUNTIME, _GENERATION
+    global _SESSION, _GENERATION
     mode = resolve_mode(mode)
     _check_devices(device_type, num_devices, simulate)
     with _LOCK:
-        rt = _RUNTIME
+        rt = _SESSION
         if (
             rt is not None
             and rt.device_type == device_type
@@ -138,21 +138,21 @@ def start_runtime(
             executor.result_device = torch.device(
                 device_type, 0
             )  # values come back where the controller computes
-        _RUNTIME = Runtime(device_type, num_devices, simulate, executor, _GENERATION, mode=mode)
-        from torch_dtorch.device.kernels import _free_callback
+        _SESSION = Session(device_type, num_devices, simulate, executor, _GENERATION, mode=mode)
+        from torch_dtorch.device.dispatch import _free_callback
 
-        _free_callback(_RUNTIME)  # the native table learns the new generation now (its cached templates go)
-        return _RUNTIME
-
-
-def runtime_or_none() -> Runtime | None:
-    return _RUNTIME
+        _free_callback(_SESSION)  # the native table learns the new generation now (its cached templates go)
+        return _SESSION
 
 
-def get_runtime() -> Runtime:
-    rt = _RUNTIME
+def session_or_none() -> Session | None:
+    return _SESSION
+
+
+def get_session() -> Session:
+    rt = _SESSION
     if rt is None:
-        raise NoRuntimeError(
+        raise NoSessionError(
             "no dtorch workers are running: create a mesh first with torch_dtorch.init_device_mesh(...)"
         )
     return rt
@@ -160,9 +160,9 @@ def get_runtime() -> Runtime:
 
 def shutdown() -> None:
     """Stop the workers (idempotent). dtorch tensors created before become unusable."""
-    global _RUNTIME
+    global _SESSION
     with _LOCK:
-        rt, _RUNTIME = _RUNTIME, None
+        rt, _SESSION = _SESSION, None
     from torch_dtorch.device.tensors import TABLE
 
     TABLE.set_runtime(-1, None)

@@ -2,7 +2,7 @@
 
 A worker runs on its :class:`~torch_dtorch.runtime.stream.KernelStream` thread (thread mode) or as its own process
 (process mode: :mod:`~torch_dtorch.cluster.worker.process`). It receives every batch and skips the instructions that do not concern its device.
-Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.kernel`); unrelated operands keep working.
+Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.op_runner`); unrelated operands keep working.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from torch_dtorch.executor.instructions import (
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules import OpCall
 from torch_dtorch.runtime.blob import Blob, KernelError
-from torch_dtorch.runtime.kernel import Kernel, PoisonBoard, kernel_hooks
 from torch_dtorch.runtime.native_replay import NativeChain
 from torch_dtorch.runtime.native_replay import extension as native_extension
 from torch_dtorch.runtime.native_replay import release as release_handles
+from torch_dtorch.runtime.op_runner import OpRunner, PoisonBoard, kernel_hooks
 from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
 from torch_dtorch.runtime.stream import COMPUTE, KernelStream
 
@@ -112,7 +112,7 @@ class Worker:
         self.stream = stream
         self.blobs: dict[int, Blob] = {}
         cfg = get_config()
-        self.kernel = Kernel(
+        self.op_runner = OpRunner(
             device,
             self.torch_device,
             self.blobs,
@@ -187,14 +187,14 @@ class Worker:
         if node.assign is None or self.device not in node.assign.devices:
             return
         self.executed += 1
-        self.kernel.run_op(node, instr=instr, call_site=self._call_site(instr))
+        self.op_runner.run_op(node, instr=instr, call_site=self._call_site(instr))
 
     def _on_redistribute(self, instr: Redistribute) -> None:
         node = instr.node
         if node.assign is None or self.device not in node.assign.devices:
             return
         self.executed += 1
-        self.kernel.run_redistribute(node, instr=instr, call_site=self._call_site(instr))
+        self.op_runner.run_redistribute(node, instr=instr, call_site=self._call_site(instr))
 
     def _on_fast_run(self, instr: FastRun) -> None:
         if not self._replay(instr):
@@ -207,7 +207,7 @@ class Worker:
             pop(i, None)
 
     def _on_upload(self, instr: Upload) -> None:
-        if self.kernel.holds(instr.operand):
+        if self.op_runner.holds(instr.operand):
             self.executed += 1
             self._upload(instr)
 
@@ -276,7 +276,7 @@ class Worker:
     ) -> bool:
         """Replay one op through its resolved local call: queued on ``chain`` (the native loop) when it has a native
         handle, else in Python (after the chain ran). ``False``: the general path must run it."""
-        if not self._replay_on or self.kernel.validate or kernel_hooks():
+        if not self._replay_on or self.op_runner.validate or kernel_hooks():
             return False
         if self.device not in devices:
             return True
@@ -298,7 +298,9 @@ class Worker:
             ins.append(b)
         if local_call is _UNRESOLVED:
             call = call_of()
-            ctx = self.kernel.local_context(call, outputs, [b.tensor if b is not None else None for b in ins])
+            ctx = self.op_runner.local_context(
+                call, outputs, [b.tensor if b is not None else None for b in ins]
+            )
             local_call = resolve(rule, call, ctx, native=self._chain is not None)
             if local_call is AMBIGUOUS:
                 return False
@@ -319,7 +321,7 @@ class Worker:
                 chain.flush()
         self.executed += 1
         self.replayed += 1
-        self.kernel.run_resolved(local_call, ins, outputs, op=op, call_site=call_site)
+        self.op_runner.run_resolved(local_call, ins, outputs, op=op, call_site=call_site)
         return True
 
     def _upload(self, instr: Upload) -> None:
@@ -338,8 +340,8 @@ class Worker:
                         value = value.to(self.torch_device)
             elif value.device != self.torch_device:
                 value = value.to(self.torch_device)
-            if self.kernel.validate:
-                self.kernel.check_output("upload", 0, value, x)
+            if self.op_runner.validate:
+                self.op_runner.check_output("upload", 0, value, x)
             blob = Blob(value)
             if self.stream is not None:
                 self.stream.stamp([blob], COMPUTE)

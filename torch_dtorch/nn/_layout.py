@@ -14,7 +14,7 @@ import torch
 
 from torch_dtorch.api import distribute_tensor, from_local, redistribute
 from torch_dtorch.backend.place import mesh_key, place
-from torch_dtorch.device.kernels import operand_of
+from torch_dtorch.device.dispatch import operand_of
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import MeshError, PlacementError
 from torch_dtorch.mesh import DeviceMesh

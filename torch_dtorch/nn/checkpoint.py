@@ -230,7 +230,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike[str]
     from safetensors.torch import save_file
 
     from torch_dtorch.api import redistribute, to_torch, to_torch_async
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
     from torch_dtorch.device.tensors import is_dtorch
 
     _register()
@@ -297,7 +297,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str]) -
     its own block; plain tensors in place; other leaves replaced by the saved values."""
     from safetensors import safe_open
 
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
     from torch_dtorch.device.tensors import is_dtorch
     from torch_dtorch.errors import DTorchError
 

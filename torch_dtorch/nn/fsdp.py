@@ -36,7 +36,7 @@ from torch import nn
 
 from torch_dtorch.api import redistribute
 from torch_dtorch.device.autograd import match_grad_placements
-from torch_dtorch.device.kernels import operand_of
+from torch_dtorch.device.dispatch import operand_of
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import DTorchError, MeshError
 from torch_dtorch.graph import ViewInfo

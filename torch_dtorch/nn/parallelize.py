@@ -161,7 +161,7 @@ def replicate_module(
 
 
 def _unbound(t: torch.Tensor) -> bool:
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
 
     return operand_of(t).mesh is None
 

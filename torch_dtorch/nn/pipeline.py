@@ -24,7 +24,7 @@ from torch import nn
 from torch_dtorch._tree import map_only
 from torch_dtorch.api import redistribute
 from torch_dtorch.backend.place import STAGE_MOVE, mesh_key, place
-from torch_dtorch.device.kernels import operand_of
+from torch_dtorch.device.dispatch import operand_of
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import DTorchError, MeshError
 from torch_dtorch.mesh import DeviceMesh

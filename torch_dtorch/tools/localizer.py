@@ -371,7 +371,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _placement_str(t: torch.Tensor) -> str:
-    from torch_dtorch.device.kernels import operand_of
+    from torch_dtorch.device.dispatch import operand_of
     from torch_dtorch.device.tensors import is_dtorch
 
     if not is_dtorch(t):

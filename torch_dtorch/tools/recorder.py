@@ -44,9 +44,9 @@ class GraphRecorder:
 
     def __init__(self, executor: Any = None, *, fetch: bool = False) -> None:
         if executor is None:
-            from torch_dtorch.device.state import get_runtime
+            from torch_dtorch.device.state import get_session
 
-            executor = get_runtime().executor
+            executor = get_session().executor
         self.executor = executor
         self.fetch = fetch
         self.graph = LogicalGraph()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from torch_dtorch.runtime import kernel as kernel_mod
+from torch_dtorch.runtime import op_runner as kernel_mod
 
 __all__ = ["Span", "SpanRecorder", "StreamLookup", "span_from_dict", "span_to_dict"]
 

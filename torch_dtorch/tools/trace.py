@@ -74,10 +74,10 @@ class Profile:
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
-        from torch_dtorch.device.state import runtime_or_none
+        from torch_dtorch.device.state import session_or_none
 
         self._t0 = time.perf_counter()
-        rt = runtime_or_none()
+        rt = session_or_none()
         runner: Any = rt.executor.runner if rt is not None else None
         self._rec = SpanRecorder(self._t0, _thread_streams(runner) if runner is not None else None)
         self.spans = self._rec.spans
@@ -102,9 +102,9 @@ class Profile:
         remote: list[Span] = []
         if self._runner is not None:
             try:
-                from torch_dtorch.device.state import runtime_or_none
+                from torch_dtorch.device.state import session_or_none
 
-                rt = runtime_or_none()
+                rt = session_or_none()
                 if rt is not None and rt.executor.runner is self._runner:
                     if self._remote is None:
                         rt.executor.sync()  # every span issued inside the block is finished

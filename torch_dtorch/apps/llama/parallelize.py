@@ -35,8 +35,8 @@ from torch import nn
 from torch_dtorch.api import distribute_tensor, redistribute
 from torch_dtorch.apps.llama.cache import keep_prefill_placements, new_cache
 from torch_dtorch.apps.llama.validation import check_layout, cp_mesh
-from torch_dtorch.device.kernels import operand_of
-from torch_dtorch.device.state import get_runtime
+from torch_dtorch.device.dispatch import operand_of
+from torch_dtorch.device.state import get_session
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.nn._layout import resolve_axis, set_axis_placement
@@ -264,7 +264,7 @@ def _bind_to_first_stage(layout: LlamaLayout) -> None:
     """Make the first stage the mesh that ops on mesh-less values bind to next (they bind to the mesh of the most
     recent op otherwise: the last stage's after a forward, another model's mesh before ``generate`` starts)."""
     if not torch.compiler.is_compiling():
-        get_runtime().last_mesh = layout.first
+        get_session().last_mesh = layout.first
 
 
 def _output_hook(layout: LlamaLayout) -> Any:

@@ -81,7 +81,7 @@ class ContextParallelError(DTorchError, RuntimeError):
 
 
 def device_comm(ctx: LocalContext, what: str = "context-parallel attention") -> Any:
-    """The rank's communicator (``ctx.comm``, given by the runtime's ``Kernel``); ``what`` names the kernel in the
+    """The rank's communicator (``ctx.comm``, given by the runtime's ``OpRunner``); ``what`` names the kernel in the
     error raised without one."""
     if ctx.comm is None:
         raise ContextParallelError(

@@ -10,14 +10,14 @@ import torch
 
 from torch_dtorch._tree import map_only
 from torch_dtorch.device import binding, state
-from torch_dtorch.device.state import Runtime, get_runtime
+from torch_dtorch.device.state import Session, get_session
 from torch_dtorch.device.tensors import DEVICE_NAME, TABLE, is_dtorch
 from torch_dtorch.errors import DTorchError, PlacementMismatchError
 from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.placement import Replicate, is_partial, is_replicate
 from torch_dtorch.placement_rules import OpCall, get_rule
 
-__all__ = ["DeviceMismatchError", "dispatch", "operand_of", "wrap"]
+__all__ = ["DeviceMismatchError", "dispatch_op", "operand_of", "wrap"]
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class DeviceMismatchError(DTorchError, RuntimeError):
 _FREE_CALLBACKS: dict[int, Any] = {}
 
 
-def _free_callback(rt: Runtime):  # noqa: ANN202 - closure factory, one per runtime generation
+def _free_callback(rt: Session):  # noqa: ANN202 - closure factory, one per runtime generation
     cb = _FREE_CALLBACKS.get(rt.generation)
     if cb is None:
         _FREE_CALLBACKS.clear()
@@ -38,12 +38,12 @@ def _free_callback(rt: Runtime):  # noqa: ANN202 - closure factory, one per runt
     return cb
 
 
-def _make_free_callback(rt: Runtime):  # noqa: ANN202 - closure factory
+def _make_free_callback(rt: Session):  # noqa: ANN202 - closure factory
     generation = rt.generation
     executor = rt.executor
 
     def on_free(operand: Operand) -> None:
-        current = state._RUNTIME
+        current = state._SESSION
         if current is None or current.generation != generation:
             return
         if operand.mesh is None:
@@ -57,22 +57,22 @@ def _make_free_callback(rt: Runtime):  # noqa: ANN202 - closure factory
     return on_free
 
 
-def wrap(rt: Runtime, operand: Operand, *, view: bool = False, layout: int | None = None) -> torch.Tensor:
+def wrap(rt: Session, operand: Operand, *, view: bool = False, layout: int | None = None) -> torch.Tensor:
     return TABLE.wrap(operand, rt.generation, _free_callback(rt), view=view, layout=layout)
 
 
-def rebind(rt: Runtime, t: torch.Tensor, operand: Operand) -> None:
+def rebind(rt: Session, t: torch.Tensor, operand: Operand) -> None:
     """Make the existing dtorch tensor ``t`` (and every alias of its storage) stand for ``operand``."""
     TABLE.bind(t, operand, rt.generation, _free_callback(rt))
 
 
-def operand_of(t: torch.Tensor, rt: Runtime | None = None) -> Operand:
-    rt = rt or get_runtime()
+def operand_of(t: torch.Tensor, rt: Session | None = None) -> Operand:
+    rt = rt or get_session()
     return TABLE.lookup(t, rt.generation)
 
 
 def _to_operands(
-    rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    rt: Session, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Any, list[Operand]]:
     found: list[Operand] = []
 
@@ -103,11 +103,11 @@ RANDOM_OPS = {
 }
 
 
-def controller_device(rt: Runtime) -> torch.device:
+def controller_device(rt: Session) -> torch.device:
     return torch.device("cpu") if rt.device_type == "cpu" else torch.device(rt.device_type, 0)
 
 
-def _random(rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+def _random(rt: Session, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
     dev = controller_device(rt)
     if op in (torch.ops.aten.rand.default, torch.ops.aten.randn.default):
@@ -150,7 +150,7 @@ def random_inplace(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> to
     """The dtorch kernel of the :data:`RANDOM_INPLACE_OPS`."""
     from torch_dtorch.api import to_torch
 
-    rt = get_runtime()
+    rt = get_session()
     x = TABLE.lookup(self, rt.generation)
     dev = controller_device(rt)
     value = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=dev)
@@ -165,13 +165,13 @@ def random_inplace(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> to
         operand = rt.executor.input(tuple(value.shape), x.mesh, placements, dtype=value.dtype)
         rt.executor.upload(operand, value.contiguous())
         src = wrap(rt, operand)
-    dispatch(torch.ops.aten.copy_.default, (self, src), {})
+    dispatch_op(torch.ops.aten.copy_.default, (self, src), {})
     return self
 
 
-def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Record ``op`` on dtorch tensors; returns dtorch tensors at once (the workers run it asynchronously)."""
-    rt = get_runtime()
+    rt = get_session()
     if op in RANDOM_OPS:
         return _random(rt, op, args, kwargs)
     original_args, original_kwargs = args, kwargs
@@ -241,12 +241,12 @@ def _inplace_via_copy(
     log.debug(
         "%s: self %s is kept by no signature; functional %s, then copy_ into self", op, self.shape, functional
     )
-    result = dispatch(functional, args, kwargs)
-    dispatch(torch.ops.aten.copy_.default, (self, result), {})
+    result = dispatch_op(functional, args, kwargs)
+    dispatch_op(torch.ops.aten.copy_.default, (self, result), {})
     return self
 
 
-def _on_host(rt: Runtime, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _on_host(rt: Session, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``op`` on the controller's CPU values of unbound operands; its tensors unbound again (``None``: some input
     has no host value)."""
     missing = False

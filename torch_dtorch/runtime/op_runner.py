@@ -1,4 +1,4 @@
-"""``Kernel``: runs one operator on one device.
+"""``OpRunner``: runs one operator on one device.
 
 A kernel fetches the operator's local input blobs, computes — the rule's local kernel exactly as
 :func:`~torch_dtorch.placement_rules.ranks.run_rank` runs it (:func:`~torch_dtorch.runtime.local.run_rank`) for ops, the collectives of a plan through
@@ -35,7 +35,7 @@ from torch_dtorch.runtime.local import kernel_needs_comm, local_shape, run_rank
 from torch_dtorch.runtime.replay import LocalCall
 from torch_dtorch.runtime.stream import COMM, COMPUTE, KernelStream
 
-__all__ = ["Kernel", "KernelIOError", "PoisonBoard", "after_hooks", "before_hooks", "kernel_hooks"]
+__all__ = ["OpRunner", "KernelIOError", "PoisonBoard", "after_hooks", "before_hooks", "kernel_hooks"]
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class _MeshInfo:
         self.coord = root.coordinate_of(device) if device in self.devices else None
 
 
-class Kernel:
+class OpRunner:
     """Runs operators for one device over its blob table.
 
     Args:

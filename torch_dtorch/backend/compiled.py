@@ -35,9 +35,9 @@ from torch_dtorch.backend.propagate import InputSpec, Propagated, UnsupportedGra
 from torch_dtorch.backend.report import CompileReport
 from torch_dtorch.device import binding
 from torch_dtorch.device import state as _state
+from torch_dtorch.device.dispatch import DeviceMismatchError, _free_callback, wrap
 from torch_dtorch.device.fastpath import layout_of
-from torch_dtorch.device.kernels import DeviceMismatchError, _free_callback, wrap
-from torch_dtorch.device.state import Runtime, get_runtime, runtime_or_none
+from torch_dtorch.device.state import Session, get_session, session_or_none
 from torch_dtorch.device.tensors import DEVICE_NAME, TABLE
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.graph import Operand
@@ -89,7 +89,7 @@ class _Variant:
 
 
 def _unload(generation: int, program_id: int) -> None:
-    rt = runtime_or_none()
+    rt = session_or_none()
     if rt is None or rt.generation != generation or rt.executor.closed:
         return
     try:
@@ -136,7 +136,7 @@ class CompiledGraph:
     def __call__(self, args: list[Any]) -> list[Any]:
         """One call: the hot path looks the variant up by the inputs' layout ids (interned per tensor, as in the
         eager fast path), makes the outputs and appends one ``RunProgram`` under one executor lock."""
-        rt = _state._RUNTIME
+        rt = _state._SESSION
         fast = self._fast
         if fast and rt is not None:
             key = self._memo.key(rt.generation, args)
@@ -146,7 +146,7 @@ class CompiledGraph:
                     return self._run(rt, variant, key[1], args)
         return self._call_slow(args)
 
-    def _run(self, rt: Runtime, variant: _Variant, in_ids: list[int], args: list[Any]) -> list[Any]:
+    def _run(self, rt: Session, variant: _Variant, in_ids: list[int], args: list[Any]) -> list[Any]:
         pid = variant.program_id
         in_ids.extend(variant.constant_ids)
         ins = tuple(in_ids)
@@ -169,7 +169,7 @@ class CompiledGraph:
             return self._call_plain(args)
         if self.eager_reason is not None:
             return list(self.gm(*args))
-        rt = get_runtime()
+        rt = get_session()
         operands = self._operands(rt, args)
         key = (rt.generation, tuple((x.mesh, x.placements) for x in operands))
         variant = self._variants.get(key)
@@ -188,7 +188,7 @@ class CompiledGraph:
             rt.executor.free(x)
         return result
 
-    def _operands(self, rt: Runtime, args: Sequence[Any]) -> list[Operand]:
+    def _operands(self, rt: Session, args: Sequence[Any]) -> list[Operand]:
         if len(args) != self.num_inputs:
             raise TypeError(
                 f"{self.backend}: compiled graph called with {len(args)} inputs, expects {self.num_inputs}"
@@ -231,7 +231,7 @@ class CompiledGraph:
         return operands  # type: ignore[return-value]
 
     # --- compiling a variant ------------------------------------------------------------------------------------
-    def _compile(self, rt: Runtime, key: Any, operands: list[Operand]) -> _Variant | None:
+    def _compile(self, rt: Session, key: Any, operands: list[Operand]) -> _Variant | None:
         with self._lock:
             hit = self._variants.get(key)
             if hit is not None:
