@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_dtorch.device.dispatch import operand_of, wrap
+from torch_dtorch.device import autograd, transfer
+from torch_dtorch.device.dispatch import controller_device, operand_of, wrap
 from torch_dtorch.device.registration import ensure_registered
 from torch_dtorch.device.state import get_session, shutdown
 from torch_dtorch.device.state import start_session as _start_runtime
@@ -86,18 +87,11 @@ def distribute_tensor(
     """Split a torch tensor over the mesh (each worker receives only its shard). Partial placements put the value
     on the first rank of each group and zeros elsewhere."""
     mesh = _mesh_or_default(device_mesh, "distribute_tensor")
-    rt = get_session()
     placements = placements if placements is not None else [Replicate()] * mesh.ndim
     pl = normalize_placements(placements, ndim=tensor.ndim, mesh_ndim=mesh.ndim, what="distribute_tensor")
-    value = tensor.detach()
-    if is_dtorch(value):
-        return redistribute(tensor, mesh, pl)
-    operand = rt.executor.input(tuple(value.shape), mesh, pl, dtype=value.dtype)
-    rt.executor.upload(operand, value)
-    out = wrap(rt, operand)
-    if tensor.requires_grad:
-        out.requires_grad_(True)
-    return out
+    if is_dtorch(tensor):
+        return autograd.redistribute(tensor, mesh, pl)
+    return transfer.upload(tensor, mesh, pl, what="distribute_tensor")
 
 
 def _global_shape(
@@ -169,19 +163,7 @@ def from_local(
 def to_torch_async(t: torch.Tensor) -> TensorFuture:
     """Start fetching the global value; returns at once. ``get()/wait()/wait_for(ms)/is_ready()/await``."""
     _require(t, "to_torch_async")
-    rt = get_session()
-    operand = operand_of(t, rt)
-    if operand.mesh is None:
-        from torch_dtorch.device import binding
-
-        if binding.current_mesh() is None and rt.last_mesh is None:
-            value = binding.host_value(operand)  # never bound to a mesh: its value is on the controller
-            if value is not None:
-                fut = TensorFuture(f"unbound {tuple(value.shape)}")
-                fut.set_result(value.clone())
-                return fut
-        operand = binding.bind(rt, operand, binding.fallback_mesh(rt, "to_torch"))
-    return rt.executor.fetch(operand)
+    return transfer.fetch_async(t)
 
 
 def to_torch(t: torch.Tensor) -> torch.Tensor:
@@ -194,21 +176,7 @@ def redistribute(
 ) -> torch.Tensor:
     """The same value with other placements (or on another mesh: a pipeline stage move)."""
     _require(t, "redistribute")
-    if t.requires_grad and torch.is_grad_enabled():  # recorded by autograd (backward redistributes back)
-        from torch_dtorch.device.autograd import redistribute_with_grad
-
-        return redistribute_with_grad(t, device_mesh, placements)
-    rt = get_session()
-    operand = operand_of(t, rt)
-    if operand.mesh is None:
-        from torch_dtorch.device import binding
-
-        operand = binding.bind(rt, operand, device_mesh or binding.fallback_mesh(rt, "redistribute"))
-    mesh = device_mesh if device_mesh is not None else operand.mesh
-    assert mesh is not None
-    placements = placements if placements is not None else [Replicate()] * mesh.ndim
-    out = rt.executor.redistribute(operand, placements, device_mesh=mesh)
-    return wrap(rt, out)
+    return autograd.redistribute(t, device_mesh, placements)
 
 
 def redistribute_by_dict(t: torch.Tensor, placements: Mapping[str | int, Placement]) -> torch.Tensor:
@@ -290,8 +258,6 @@ def _random(
 ) -> torch.Tensor:  # fmt: skip
     """Drawn on the controller from torch's generator, then distributed: equals single-device torch under the same
     seed whatever the placements (O(global) on the controller, each worker receives only its shard)."""
-    from torch_dtorch.device.dispatch import controller_device
-
     mesh = _mesh_or_default(device_mesh, what)
     value = fn(size, dtype=dtype, device=controller_device(get_session()))
     out = distribute_tensor(value, mesh, placements)

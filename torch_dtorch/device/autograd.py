@@ -12,15 +12,19 @@ becomes ``Replicate`` (the gradient of a sum is the same on every term), as upst
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from torch_dtorch.device.dispatch import operand_of
+from torch_dtorch.device.tensors import is_dtorch
+from torch_dtorch.device.transfer import fetch, move, upload
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Replicate, is_partial
 
-__all__ = ["full_tensor_with_grad", "match_grad_placements", "redistribute_with_grad"]
+__all__ = ["full_tensor_with_grad", "match_grad_placements", "redistribute"]
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +34,13 @@ class _Redistribute(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, t: torch.Tensor, mesh: DeviceMesh | None, placements: Sequence[Placement] | None
     ) -> torch.Tensor:
-        from torch_dtorch.api import redistribute
-        from torch_dtorch.device.dispatch import operand_of
-
         src = operand_of(t)
         ctx.src_mesh = src.mesh
         ctx.src_placements = src.placements
-        return redistribute(t, mesh, placements)  # grad mode is off inside forward: the plain redistribute
+        return move(t, mesh, placements)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
-        from torch_dtorch.api import redistribute
-
         if grad is None:
             return None, None, None
         if (
@@ -52,34 +51,32 @@ class _Redistribute(torch.autograd.Function):
         return redistribute(grad, ctx.src_mesh, back), None, None
 
 
-def redistribute_with_grad(
-    t: torch.Tensor, mesh: DeviceMesh | None, placements: Sequence[Placement] | None
+def redistribute(
+    t: torch.Tensor, mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None
 ) -> torch.Tensor:
-    """``redistribute`` recorded by autograd (``t`` requires grad and grad mode is on)."""
-    return _Redistribute.apply(t, mesh, placements)
+    """``t`` with other placements (or on another mesh); recorded by autograd when ``t`` requires grad and grad
+    mode is on (backward redistributes the gradient back)."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return _Redistribute.apply(t, mesh, placements)
+    return move(t, mesh, placements)
 
 
 class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        from torch_dtorch.api import to_torch
-        from torch_dtorch.device.dispatch import operand_of
-
         src = operand_of(t)
         ctx.src_mesh = src.mesh
         ctx.src_placements = src.placements
-        return to_torch(t)
+        return fetch(t)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        from torch_dtorch.api import distribute_tensor
-
         if grad is None:
             return None
         if ctx.src_mesh is None:
             return grad.to("dtorch")
         back = [Replicate() if is_partial(p) else p for p in ctx.src_placements]
-        return distribute_tensor(grad, ctx.src_mesh, back)
+        return upload(grad, ctx.src_mesh, back, what="full_tensor (backward)")
 
 
 def full_tensor_with_grad(t: torch.Tensor) -> torch.Tensor:
@@ -90,15 +87,9 @@ def full_tensor_with_grad(t: torch.Tensor) -> torch.Tensor:
 
 def _grad_hook(param: torch.Tensor):  # noqa: ANN202
     """A tensor hook moving an incoming gradient to ``param``'s placements (Partial reduced)."""
-    import weakref
-
     ref = weakref.ref(param)
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        from torch_dtorch.api import redistribute
-        from torch_dtorch.device.dispatch import operand_of
-        from torch_dtorch.device.tensors import is_dtorch
-
         p = ref()
         if p is None or not is_dtorch(grad) or not is_dtorch(p):
             return grad
@@ -120,8 +111,6 @@ def match_grad_placements(params: Any) -> int:
     own placements: a ``Partial`` gradient (data or tensor parallel) is reduced (all-reduce, or reduce-scatter for a
     sharded parameter) and a gradient sharded otherwise is moved, before it is accumulated into ``.grad``.
     Idempotent; returns how many parameters got the hook. ``parallelize_module`` and ``fully_shard`` call it."""
-    from torch_dtorch.device.tensors import is_dtorch
-
     tensors = params.parameters() if isinstance(params, torch.nn.Module) else params
     n = 0
     for p in tensors:

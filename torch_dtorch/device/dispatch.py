@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from torch_dtorch._tree import map_only
-from torch_dtorch.device import binding, state
-from torch_dtorch.device.state import Session, get_session
+from torch_dtorch.device import binding
+from torch_dtorch.device.state import Session, _free_callback, get_session
 from torch_dtorch.device.tensors import DEVICE_NAME, TABLE, is_dtorch
-from torch_dtorch.errors import DTorchError, PlacementMismatchError
+from torch_dtorch.errors import AsStridedError, DTorchError, PlacementMismatchError
 from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.placement import Replicate, is_partial, is_replicate
 from torch_dtorch.placement_rules import OpCall, get_rule
+from torch_dtorch.placement_rules.inplace import InplaceRule
 
 __all__ = ["DeviceMismatchError", "dispatch_op", "operand_of", "wrap"]
 
@@ -24,37 +25,6 @@ log = logging.getLogger(__name__)
 
 class DeviceMismatchError(DTorchError, RuntimeError):
     """A non-dtorch tensor (other than a 0-d scalar) was mixed with dtorch tensors."""
-
-
-_FREE_CALLBACKS: dict[int, Any] = {}
-
-
-def _free_callback(rt: Session):  # noqa: ANN202 - closure factory, one per runtime generation
-    cb = _FREE_CALLBACKS.get(rt.generation)
-    if cb is None:
-        _FREE_CALLBACKS.clear()
-        cb = _FREE_CALLBACKS[rt.generation] = _make_free_callback(rt)
-        TABLE.set_runtime(rt.generation, cb)
-    return cb
-
-
-def _make_free_callback(rt: Session):  # noqa: ANN202 - closure factory
-    generation = rt.generation
-    executor = rt.executor
-
-    def on_free(operand: Operand) -> None:
-        current = state._SESSION
-        if current is None or current.generation != generation:
-            return
-        if operand.mesh is None:
-            deferred = binding._DEFERRED.pop(operand.id, None)
-            if deferred is not None:
-                for bound in deferred.bound.values():
-                    executor.release(bound.id)
-            return
-        executor.release(operand.id)
-
-    return on_free
 
 
 def wrap(rt: Session, operand: Operand, *, view: bool = False, layout: int | None = None) -> torch.Tensor:
@@ -128,47 +98,6 @@ def _random(rt: Session, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     return wrap(rt, operand)
 
 
-#: in-place random fills, drawn as :data:`RANDOM_OPS` are: on the controller from torch's own generator (in
-#: ``self``'s global strides, so the values and the RNG stream equal single-device torch's), then written into
-#: ``self`` in its placements by an in-place ``copy_`` (views of ``self`` see the write)
-RANDOM_INPLACE_OPS = {
-    torch.ops.aten.uniform_.default,
-    torch.ops.aten.normal_.default,
-    torch.ops.aten.cauchy_.default,
-    torch.ops.aten.exponential_.default,
-    torch.ops.aten.geometric_.default,
-    torch.ops.aten.log_normal_.default,
-    torch.ops.aten.bernoulli_.float,
-    torch.ops.aten.bernoulli_.Tensor,
-    torch.ops.aten.random_.default,
-    getattr(torch.ops.aten.random_, "from"),
-    torch.ops.aten.random_.to,
-}
-
-
-def random_inplace(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The dtorch kernel of the :data:`RANDOM_INPLACE_OPS`."""
-    from torch_dtorch.api import to_torch
-
-    rt = get_session()
-    x = TABLE.lookup(self, rt.generation)
-    dev = controller_device(rt)
-    value = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=dev)
-    host_args, host_kwargs = map_only(
-        torch.Tensor, lambda t: to_torch(t).to(dev) if is_dtorch(t) else t, (args, kwargs)
-    )
-    op(value, *host_args, **host_kwargs)
-    if x.mesh is None:
-        src = wrap(rt, binding.defer_upload(rt, value))
-    else:
-        placements = [p if not is_partial(p) else Replicate() for p in x.placements]
-        operand = rt.executor.input(tuple(value.shape), x.mesh, placements, dtype=value.dtype)
-        rt.executor.upload(operand, value.contiguous())
-        src = wrap(rt, operand)
-    dispatch_op(torch.ops.aten.copy_.default, (self, src), {})
-    return self
-
-
 def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Record ``op`` on dtorch tensors; returns dtorch tensors at once (the workers run it asynchronously)."""
     rt = get_session()
@@ -222,7 +151,6 @@ def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _inplace_fallback_of(op: Any, operands: list[Operand]) -> Any | None:
     """The functional op to run instead of the in-place ``op`` whose bound ``self`` is placed where no signature of
     ``op`` keeps it (the op works across ``self``'s sharded dim); ``None``: no such fallback."""
-    from torch_dtorch.placement_rules.inplace import InplaceRule
 
     rule = get_rule(op)
     if not isinstance(rule, InplaceRule) or not operands or operands[0].mesh is None:
@@ -281,8 +209,6 @@ def check_as_strided(op: Any, args: tuple[Any, ...]) -> None:
     if is_dtorch(x):
         operand = operand_of(x)
         if operand.mesh is not None and not all(is_replicate(p) for p in operand.placements):
-            from torch_dtorch.errors import AsStridedError
-
             raise AsStridedError(
                 f"{op}: as_strided on {operand.describe()} addresses the global tensor's memory, which a sharded "
                 "or partial tensor does not have in one piece. This usually comes from an op dtorch does not "

@@ -8,10 +8,15 @@ from typing import Any
 
 import torch
 
+from torch_dtorch.device import autograd
+from torch_dtorch.device.autograd import full_tensor_with_grad
+from torch_dtorch.device.dispatch import operand_of
+from torch_dtorch.device.state import get_session
 from torch_dtorch.device.tensors import is_dtorch
+from torch_dtorch.device.transfer import fetch
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.mesh import DeviceMesh
-from torch_dtorch.placement import Placement, Placements, Replicate
+from torch_dtorch.placement import Placement, Placements, Replicate, placements_str
 
 __all__ = ["install_tensor_methods"]
 
@@ -28,7 +33,6 @@ def _need(t: torch.Tensor, what: str) -> None:
 
 def _placements(self: torch.Tensor) -> Placements:
     _need(self, "placements")
-    from torch_dtorch.device.dispatch import operand_of
 
     operand = operand_of(self)
     return operand.placements if operand.mesh is not None else (Replicate(),)
@@ -36,7 +40,6 @@ def _placements(self: torch.Tensor) -> Placements:
 
 def _device_mesh(self: torch.Tensor) -> DeviceMesh | None:
     _need(self, "device_mesh")
-    from torch_dtorch.device.dispatch import operand_of
 
     return operand_of(self).mesh
 
@@ -45,34 +48,24 @@ def _redistribute(
     self: torch.Tensor, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None
 ) -> torch.Tensor:
     _need(self, "redistribute")
-    from torch_dtorch.api import redistribute
-
-    return redistribute(self, device_mesh, placements)
+    return autograd.redistribute(self, device_mesh, placements)
 
 
 def _full_tensor(self: torch.Tensor) -> torch.Tensor:
     _need(self, "full_tensor")
     if self.requires_grad and torch.is_grad_enabled():  # differentiable, as upstream's DTensor.full_tensor
-        from torch_dtorch.device.autograd import full_tensor_with_grad
-
         return full_tensor_with_grad(self)
-    from torch_dtorch.api import to_torch
-
-    return to_torch(self)
+    return fetch(self)
 
 
 def _to_local(self: torch.Tensor, rank: int | None = None) -> torch.Tensor:
     """The shard device ``rank`` holds (a copy on the controller). ``rank`` may be omitted on a 1-device mesh."""
     _need(self, "to_local")
-    from torch_dtorch.device.dispatch import operand_of
-    from torch_dtorch.device.state import get_session
 
     rt = get_session()
     operand = operand_of(self, rt)
     if operand.mesh is None:
-        from torch_dtorch.api import to_torch
-
-        return to_torch(self)
+        return fetch(self)
     devices = operand.mesh.devices
     if rank is None:
         if len(devices) != 1:
@@ -92,10 +85,8 @@ _ORIGINAL_REPR: Any = None
 def _repr(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
     if not is_dtorch(self):
         return _ORIGINAL_REPR(self, *args, **kwargs)
-    from torch_dtorch.api import to_torch
-    from torch_dtorch.placement import placements_str
 
-    value = repr(to_torch(self)).removeprefix("tensor(").removesuffix(")")
+    value = repr(fetch(self)).removeprefix("tensor(").removesuffix(")")
     try:
         pl = placements_str(_placements(self))
     except DTorchError as e:  # stale tensor

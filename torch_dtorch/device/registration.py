@@ -17,13 +17,18 @@ from torch_dtorch._compat import (
     has_kernel_for_dispatch_key,
     setup_privateuse1_python_backend,
 )
-from torch_dtorch.device import dispatch, fastpath
+from torch_dtorch.device import binding, dispatch, fastpath, rng
 from torch_dtorch.device.rng import install_rng_functions
+from torch_dtorch.device.state import get_session
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
-from torch_dtorch.placement_rules import intercept_list, registered_ops
-from torch_dtorch.placement_rules.families.backward import MASKED_OUTPUT_OPS
-from torch_dtorch.placement_rules.families.indexing import SYNC_OPS
-from torch_dtorch.placement_rules.inplace import functional_overload
+from torch_dtorch.device.transfer import fetch, upload
+from torch_dtorch.errors import BackwardNotSupportedError, NoRuleError, RestrideError
+from torch_dtorch.placement import Replicate
+from torch_dtorch.placement_rules import get_rule, intercept_list, registered_ops
+from torch_dtorch.placement_rules import register_rule as _register_rule
+from torch_dtorch.placement_rules.families.backward import MASKED_OUTPUT_OPS, present_outputs
+from torch_dtorch.placement_rules.families.indexing import SYNC_OPS, is_sync_call
+from torch_dtorch.placement_rules.inplace import _OUT_TO_FUNCTIONAL, functional_overload
 
 __all__ = ["ensure_registered", "register_kernels", "register_rule", "registered_kernels"]
 
@@ -109,8 +114,6 @@ def _to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     device = kwargs.get("device")
     if not is_dtorch(self):
         # cpu/cuda tensor .to("dtorch"): an unbound Replicate value, uploaded when a mesh is known
-        from torch_dtorch.device import binding
-        from torch_dtorch.device.state import get_session
 
         rt = get_session()
         value = self.detach().to(dtype=kwargs.get("dtype") or self.dtype)
@@ -125,9 +128,7 @@ def _to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
             aten._to_copy.default, (self,), {k: v for k, v in kwargs.items() if k != "device"}
         )
     # leaving the dtorch device: a sync point that gathers the global value
-    from torch_dtorch.api import to_torch
-
-    value = to_torch(self)
+    value = fetch(self)
     return value.to(device=device, dtype=kwargs.get("dtype") or value.dtype)
 
 
@@ -138,9 +139,7 @@ def _leaving(op: Any, target: Any):  # noqa: ANN202
         device = target(args, kwargs)
         if device is None or torch.device(device).type == DEVICE_NAME:
             return dispatch.dispatch_op(op, (self, *args), kwargs)
-        from torch_dtorch.api import to_torch
-
-        return op(to_torch(self), *args, **kwargs)  # the same overload on the gathered torch tensor
+        return op(fetch(self), *args, **kwargs)  # the same overload on the gathered torch tensor
 
     return kernel
 
@@ -159,9 +158,6 @@ def _other_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    from torch_dtorch.api import to_torch
-    from torch_dtorch.device import binding
-    from torch_dtorch.device.state import get_session
 
     rt = get_session()
     if is_dtorch(dst) and not is_dtorch(src):
@@ -177,7 +173,7 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         dispatch._free_callback(rt)(dst_operand)
         return dst
     if is_dtorch(src) and not is_dtorch(dst):
-        dst.copy_(to_torch(src))
+        dst.copy_(fetch(src))
         return dst
     # dtorch -> dtorch: the functional copy, then dst's storage stands for the result
     out = dispatch.dispatch_op(aten.copy.default, (dst, src), {})
@@ -214,9 +210,7 @@ def _copy_inplace(generic: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _local_scalar_dense(self: torch.Tensor) -> Any:
-    from torch_dtorch.api import to_torch
-
-    return to_torch(self).item()
+    return fetch(self).item()
 
 
 def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> torch.Tensor:
@@ -237,7 +231,6 @@ def _restride_inplace(op: Any) -> Callable[..., Any]:
     name = op._schema.name.split("::", 1)[1]
 
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        from torch_dtorch.errors import RestrideError
 
         if (
             self.numel() == 0
@@ -266,13 +259,10 @@ sync_stats = {"calls": 0}
 def _sync_kernel(op: Any, inner: Any):  # noqa: ANN202
     """Data-dependent output shapes (``masked_select``, ``nonzero``, ``x[mask]``, ...): a sync point. The inputs are
     gathered, the op runs on the controller, and tensor results come back Replicate on the inputs' mesh."""
-    from torch_dtorch.placement_rules.families.indexing import is_sync_call
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if inner is not None and not is_sync_call(op, args, kwargs):
             return inner(*args, **kwargs)
-        from torch_dtorch.api import distribute_tensor, to_torch
-        from torch_dtorch.device.state import get_session
 
         rt = get_session()
         meshes = [
@@ -284,12 +274,16 @@ def _sync_kernel(op: Any, inner: Any):  # noqa: ANN202
         log.debug("%s: data-dependent output shape; inputs gathered and the op run on the controller", op)
         sync_stats["calls"] += 1
         local_args, local_kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: to_torch(t) if is_dtorch(t) else t, (args, kwargs)
+            torch.Tensor, lambda t: fetch(t) if is_dtorch(t) else t, (args, kwargs)
         )
         out = op(*local_args, **local_kwargs)
         if mesh is None:
             return pytree.tree_map_only(torch.Tensor, lambda t: t.to(DEVICE_NAME), out)
-        return pytree.tree_map_only(torch.Tensor, lambda t: distribute_tensor(t, mesh), out)
+        return pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: upload(t, mesh, [Replicate()] * mesh.ndim, what=f"{op} (on the controller)"),
+            out,
+        )
 
     kernel.__name__ = f"dtorch_sync_{op}"
     return kernel
@@ -302,8 +296,6 @@ _OUT_FALLBACK = threading.local()
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Every overload that reaches the dtorch key without a kernel: run it if a rule was registered after the
     device was set up (``placement_rules.register_rule`` at run time), else a typed error naming it and the fix."""
-    from torch_dtorch.errors import NoRuleError
-    from torch_dtorch.placement_rules import get_rule
 
     try:
         get_rule(op)
@@ -313,8 +305,6 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
         if functional is None or op in active:
             # (re-entered: the functional op is a structured kernel that calls ``op`` itself, e.g. gcd -> gcd.out)
             if "backward" in op._schema.name:
-                from torch_dtorch.errors import BackwardNotSupportedError
-
                 raise BackwardNotSupportedError(op) from None
             raise NoRuleError(
                 op, detail="(it reached the dtorch device, which has no kernel for it)"
@@ -332,7 +322,6 @@ def register_kernels(ops: Any) -> list[Any]:
     """Give ruled overloads registered after :func:`ensure_registered` (custom ops of any namespace included) their
     dtorch kernel; returns the overloads that got one. A ``torch.library.custom_op`` has a default
     (CompositeExplicitAutograd) implementation that would otherwise run its Python body on dtorch tensors."""
-    from torch_dtorch.placement_rules import get_rule
 
     added = []
     with _LOCK:
@@ -403,7 +392,7 @@ def _copy_out(out_op: Any, o: torch.Tensor, r: torch.Tensor) -> None:
 
 def _random_inplace(op: Any):  # noqa: ANN202
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return dispatch.random_inplace(op, self, *args, **kwargs)
+        return rng.random_inplace(op, self, *args, **kwargs)
 
     kernel.__name__ = f"dtorch_random_{op}"
     return kernel
@@ -418,7 +407,6 @@ def _schema_name(op: Any) -> str:
 def _masked_outputs(op: Any):  # noqa: ANN202
     """Ops whose outputs torch may leave ``None`` (``native_layer_norm_backward`` with an ``output_mask`` or no
     weight/bias): the operator holds the present outputs only; the ``None`` go back where torch puts them."""
-    from torch_dtorch.placement_rules.families.backward import present_outputs
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         present = present_outputs(op, args, kwargs)
@@ -462,14 +450,13 @@ def ensure_registered() -> None:
                 _KERNELS[op] = "sync"
                 continue
             _impl_generic(lib, op)
-        from torch_dtorch.placement_rules.inplace import _OUT_TO_FUNCTIONAL
 
         for out_op, functional in _OUT_TO_FUNCTIONAL.items():
             if functional in _SPECIAL or functional in _GENERIC_ALIASES or out_op in _KERNELS:
                 continue
             lib.impl(_schema_name(out_op), _out_kernel(out_op, functional), "PrivateUse1")
             _KERNELS[out_op] = "out"
-        for op in dispatch.RANDOM_INPLACE_OPS:
+        for op in rng.RANDOM_INPLACE_OPS:
             if op not in _KERNELS:
                 lib.impl(_schema_name(op), _random_inplace(op), "PrivateUse1")
                 _KERNELS[op] = "random"
@@ -502,7 +489,6 @@ def register_rule(*ops: Any, family: str = "custom", **kwargs: Any) -> Callable[
     dtorch kernel for the overloads — needed for ops registered after ``import torch_dtorch``, such as a
     ``torch.library.custom_op``. Keyword arguments are ``placement_rules.register_rule``'s (``localize``, ``cost``,
     ``check``, ``kernel``, ``view_of``, ...). See docs/adding_an_op.md."""
-    from torch_dtorch.placement_rules import register_rule as _register_rule
 
     inner = _register_rule(*ops, family=family, **kwargs)
 

@@ -24,12 +24,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["RNG_FUNCTIONS", "install_rng_functions"]
+from torch_dtorch._tree import map_only
+from torch_dtorch.device import binding
+from torch_dtorch.device.dispatch import controller_device, dispatch_op, wrap
+from torch_dtorch.device.state import get_session, session_or_none
+from torch_dtorch.device.tensors import TABLE, is_dtorch
+from torch_dtorch.device.transfer import fetch
+from torch_dtorch.placement import Replicate, is_partial
+
+__all__ = ["RANDOM_INPLACE_OPS", "RNG_FUNCTIONS", "install_rng_functions", "random_inplace"]
 
 
 def _controller_device() -> torch.device:
-    from torch_dtorch.device.state import session_or_none
-
     rt = session_or_none()
     if rt is None or rt.device_type == "cpu":
         return torch.device("cpu")
@@ -106,3 +112,42 @@ def install_rng_functions(device_name: str) -> None:
     module = torch.get_device_module(device_name)
     for name, fn in RNG_FUNCTIONS.items():
         setattr(module, name, fn)
+
+
+#: in-place random fills, drawn as :data:`RANDOM_OPS` are: on the controller from torch's own generator (in
+#: ``self``'s global strides, so the values and the RNG stream equal single-device torch's), then written into
+#: ``self`` in its placements by an in-place ``copy_`` (views of ``self`` see the write)
+RANDOM_INPLACE_OPS = {
+    torch.ops.aten.uniform_.default,
+    torch.ops.aten.normal_.default,
+    torch.ops.aten.cauchy_.default,
+    torch.ops.aten.exponential_.default,
+    torch.ops.aten.geometric_.default,
+    torch.ops.aten.log_normal_.default,
+    torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.bernoulli_.Tensor,
+    torch.ops.aten.random_.default,
+    getattr(torch.ops.aten.random_, "from"),
+    torch.ops.aten.random_.to,
+}
+
+
+def random_inplace(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The dtorch kernel of the :data:`RANDOM_INPLACE_OPS`."""
+    rt = get_session()
+    x = TABLE.lookup(self, rt.generation)
+    dev = controller_device(rt)
+    value = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=dev)
+    host_args, host_kwargs = map_only(
+        torch.Tensor, lambda t: fetch(t).to(dev) if is_dtorch(t) else t, (args, kwargs)
+    )
+    op(value, *host_args, **host_kwargs)
+    if x.mesh is None:
+        src = wrap(rt, binding.defer_upload(rt, value))
+    else:
+        placements = [p if not is_partial(p) else Replicate() for p in x.placements]
+        operand = rt.executor.input(tuple(value.shape), x.mesh, placements, dtype=value.dtype)
+        rt.executor.upload(operand, value.contiguous())
+        src = wrap(rt, operand)
+    dispatch_op(torch.ops.aten.copy_.default, (self, src), {})
+    return self

@@ -10,11 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_dtorch.config import MODES, get_config
+from torch_dtorch.device import binding
+from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.errors import DTorchError, MeshError
+from torch_dtorch.executor.eager import EagerGraphExecutor
+from torch_dtorch.executor.thread_runner import ThreadRunner
+from torch_dtorch.graph import Operand
 
 if TYPE_CHECKING:
     from torch_dtorch.cluster.protocol import ClusterConfig
-    from torch_dtorch.executor.eager import EagerGraphExecutor
     from torch_dtorch.mesh import DeviceMesh
 
 __all__ = ["NoSessionError", "Session", "get_session", "session_or_none", "shutdown", "start_session"]
@@ -68,8 +73,6 @@ def _check_devices(device_type: str, num_devices: int, simulate: bool) -> None:
 
 def resolve_mode(mode: str | None) -> str:
     """``mode`` if given, else ``DTORCH_MODE`` (default ``thread``); validated."""
-    from torch_dtorch.config import MODES, get_config
-
     mode = get_config().mode if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"init_device_mesh: mode must be one of {MODES}, got {mode!r} (or set DTORCH_MODE)")
@@ -81,13 +84,13 @@ def _make_runner(
 ) -> Any:
     devices = list(range(num_devices))
     if mode == "process":
-        from torch_dtorch.cluster.runner import ClusterRunner
+        from torch_dtorch.cluster.runner import (
+            ClusterRunner,  # process mode's heavy imports (zmq, grpc) on demand
+        )
 
         return ClusterRunner(devices, device_type=device_type, simulate=simulate, config=cluster)
     if cluster is not None:
         raise ValueError("init_device_mesh: cluster= only applies to mode='process'")
-    from torch_dtorch.executor.thread_runner import ThreadRunner
-
     return ThreadRunner(devices, device_type=device_type, simulate=simulate)
 
 
@@ -126,21 +129,15 @@ def start_session(
                 num_devices,
             )
             shutdown()
-        from torch_dtorch.executor.eager import EagerGraphExecutor
-
         runner = _make_runner(mode, device_type, num_devices, simulate, cluster)
         _GENERATION += 1
         executor = EagerGraphExecutor(runner)
-        from torch_dtorch.device.tensors import TABLE
-
         executor.collect = TABLE.drain
         if device_type != "cpu":
             executor.result_device = torch.device(
                 device_type, 0
             )  # values come back where the controller computes
         _SESSION = Session(device_type, num_devices, simulate, executor, _GENERATION, mode=mode)
-        from torch_dtorch.device.dispatch import _free_callback
-
         _free_callback(_SESSION)  # the native table learns the new generation now (its cached templates go)
         return _SESSION
 
@@ -163,8 +160,6 @@ def shutdown() -> None:
     global _SESSION
     with _LOCK:
         rt, _SESSION = _SESSION, None
-    from torch_dtorch.device.tensors import TABLE
-
     TABLE.set_runtime(-1, None)
     if rt is not None:
         try:
@@ -174,3 +169,33 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+_FREE_CALLBACKS: dict[int, Any] = {}
+
+
+def _free_callback(rt: Session):  # noqa: ANN202 - closure factory, one per runtime generation
+    cb = _FREE_CALLBACKS.get(rt.generation)
+    if cb is None:
+        _FREE_CALLBACKS.clear()
+        cb = _FREE_CALLBACKS[rt.generation] = _make_free_callback(rt)
+        TABLE.set_runtime(rt.generation, cb)
+    return cb
+
+
+def _make_free_callback(rt: Session):  # noqa: ANN202 - closure factory
+    generation = rt.generation
+    executor = rt.executor
+
+    def on_free(operand: Operand) -> None:
+        current = _SESSION
+        if current is None or current.generation != generation:
+            return
+        if operand.mesh is None:
+            deferred = binding._DEFERRED.pop(operand.id, None)
+            if deferred is not None:
+                for bound in deferred.bound.values():
+                    executor.release(bound.id)
+            return
+        executor.release(operand.id)
+
+    return on_free

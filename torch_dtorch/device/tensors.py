@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from torch_dtorch._compat import create_empty_tensor
+from torch_dtorch.device import native
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.graph import Operand
 
@@ -266,8 +267,6 @@ class NativeTable:
 
 
 def _make_table() -> TensorTable | NativeTable:
-    from torch_dtorch.device import native
-
     module = native.load()
     return TensorTable() if module is None else NativeTable(module)
 
