@@ -29,6 +29,7 @@ from torch_dtorch.placement_rules import register_rule as _register_rule
 from torch_dtorch.placement_rules.families.backward import MASKED_OUTPUT_OPS, present_outputs
 from torch_dtorch.placement_rules.families.indexing import SYNC_OPS, is_sync_call
 from torch_dtorch.placement_rules.inplace import _OUT_TO_FUNCTIONAL, functional_overload
+from torch_dtorch.placement_rules.rule import serve_kernel_requests
 
 __all__ = ["ensure_registered", "register_kernels", "register_rule", "registered_kernels"]
 
@@ -478,6 +479,7 @@ def ensure_registered() -> None:
         fallback.fallback(_fallback, "PrivateUse1")
         _DONE = True
         log.debug("dtorch device registered: %d kernels", len(_KERNELS))
+    serve_kernel_requests(register_kernels)  # overloads of other namespaces whose rules asked for one
 
 
 def registered_kernels() -> dict[Any, str]:

@@ -267,6 +267,28 @@ def add_rule_listener(fn: Callable[[Any], None]) -> None:
         _RULE_LISTENERS.append(fn)
 
 
+#: overloads outside ``aten`` whose rules want a dtorch device kernel, and who installs them (the device layer, once
+#: it is registered: rules never import it)
+_KERNEL_REQUESTS: list[Any] = []
+_KERNEL_SERVERS: list[Callable[[list[Any]], Any]] = []
+
+
+def request_device_kernels(ops: Iterable[Any]) -> None:
+    """Give ``ops`` (ruled overloads of any namespace) a dtorch device kernel: now if the device is registered,
+    else when it is."""
+    ops = list(ops)
+    _KERNEL_REQUESTS.extend(ops)
+    for serve in list(_KERNEL_SERVERS):
+        serve(ops)
+
+
+def serve_kernel_requests(serve: Callable[[list[Any]], Any]) -> None:
+    """Called by the device layer: ``serve(ops)`` installs kernels for the requests so far and every later one."""
+    if serve not in _KERNEL_SERVERS:
+        _KERNEL_SERVERS.append(serve)
+        serve(list(_KERNEL_REQUESTS))
+
+
 def _rules_changed(ops: Iterable[Any]) -> None:
     _PLAN_CACHE.clear()
     for op in ops:

@@ -21,7 +21,7 @@ import torch
 
 from torch_dtorch.placement import Partial, Replicate, Shard, is_shard, local_shape_and_offset
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.rule import get_rule, register_rule
+from torch_dtorch.placement_rules.rule import get_rule, register_rule, request_device_kernels
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
 __all__ = ["vocab_parallel_embedding"]
@@ -100,23 +100,13 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         weight, indices = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        _ensure_kernel()
         gw = torch.ops.dtorch_train.embedding_rows_backward(
             grad, indices, weight.detach(), -1 if ctx.padding_idx is None else ctx.padding_idx, ctx.scale
         )
         return gw, None, None, None
 
 
-_KERNEL_READY = False
-
-
-def _ensure_kernel() -> None:
-    global _KERNEL_READY
-    if not _KERNEL_READY:
-        from torch_dtorch.device.registration import register_kernels
-
-        register_kernels([torch.ops.dtorch_train.embedding_rows_backward.default])
-        _KERNEL_READY = True
+request_device_kernels([torch.ops.dtorch_train.embedding_rows_backward.default])
 
 
 def vocab_parallel_embedding(
