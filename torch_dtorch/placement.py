@@ -13,6 +13,10 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from torch_dtorch.errors import PlacementError
 
+#: the ``Partial`` reduce ops a linear map commutes with: ``f(a) + f(b) == f(a + b)`` (and the mean likewise), so a
+#: linear op may take such a ``Partial`` input and give the same ``Partial`` output
+LINEAR_REDUCE_OPS = ("sum", "avg")
+
 __all__ = [
     "PARTIAL_OPS",
     "Partial",

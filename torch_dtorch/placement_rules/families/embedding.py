@@ -21,6 +21,7 @@ import torch
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement import (
+    LINEAR_REDUCE_OPS,
     Partial,
     Placement,
     Replicate,
@@ -36,7 +37,6 @@ __all__ = ["embedding_signatures"]
 
 aten = torch.ops.aten
 _R = Replicate()
-_LINEAR_PARTIALS = ("sum", "avg")
 
 
 def _weight_indices(call: OpCall) -> tuple[Operand, Operand]:
@@ -48,7 +48,7 @@ def _weight_indices(call: OpCall) -> tuple[Operand, Operand]:
 def _exact(w: Placement, i: Placement) -> bool:
     """Whether the pair (weight, indices) on one axis equals one of the signatures."""
     if type(i) is Replicate:
-        return type(w) in (Replicate, Shard) or (isinstance(w, Partial) and w.reduce_op in _LINEAR_PARTIALS)
+        return type(w) in (Replicate, Shard) or (isinstance(w, Partial) and w.reduce_op in LINEAR_REDUCE_OPS)
     return type(i) is Shard and type(w) is Replicate
 
 
@@ -65,7 +65,7 @@ def embedding_signatures(call: OpCall) -> list[PlacementSignature]:
     sigs = [sig([_R, Shard(d)], Shard(d)) for d in range(idx.ndim)]
     sigs.append(sig([Shard(1), _R], Shard(idx.ndim)))
     sigs.append(sig([_R, _R], _R))  # before the Partial ones: a Replicate output wins cost ties
-    sigs += [sig([Partial(op), _R], Partial(op)) for op in _LINEAR_PARTIALS]
+    sigs += [sig([Partial(op), _R], Partial(op)) for op in LINEAR_REDUCE_OPS]
     if _vocab_parallel_ok(call):
         sigs.append(sig([Shard(0), _R], Partial("sum")))
     return sigs

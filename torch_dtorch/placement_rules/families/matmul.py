@@ -37,7 +37,7 @@ import torch
 
 from torch_dtorch.graph import OperatorCost
 from torch_dtorch.ops.cost import matmul_cost, traffic_cost
-from torch_dtorch.placement import Partial, Placement, Replicate, Shard
+from torch_dtorch.placement import LINEAR_REDUCE_OPS, Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.inplace import InplaceRule
 from torch_dtorch.placement_rules.rule import get_rule, register_rule
@@ -47,7 +47,6 @@ __all__ = ["Einsum", "einsum_signatures", "matmul_equation", "parse_einsum"]
 
 aten = torch.ops.aten
 _R = Replicate()
-_LINEAR_PARTIALS = ("sum", "avg")
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase
 
 
@@ -153,7 +152,7 @@ def einsum_signatures(e: Einsum) -> list[tuple[tuple[Placement, ...], Placement]
         out.append((ins, Shard(e.output.index(c)) if c in e.output else Partial("sum")))
     # all-Replicate before the Partial ones: on a cost tie (gathering a shard) a Replicate output wins
     out.append(((_R,) * len(e.inputs), _R))
-    for reduce_op in _LINEAR_PARTIALS:
+    for reduce_op in LINEAR_REDUCE_OPS:
         p = Partial(reduce_op)
         for i in range(len(e.inputs)):
             out.append((tuple(p if j == i else _R for j in range(len(e.inputs))), p))

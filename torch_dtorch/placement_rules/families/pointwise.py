@@ -23,7 +23,7 @@ from enum import Enum
 import torch
 
 from torch_dtorch.graph import OperatorCost, TensorMeta
-from torch_dtorch.placement import Partial, Placement, Replicate, Shard
+from torch_dtorch.placement import LINEAR_REDUCE_OPS, Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import OpCall
 from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
@@ -32,7 +32,6 @@ __all__ = ["Linearity", "broadcast_shard_signatures", "pointwise_signatures"]
 
 aten = torch.ops.aten
 _R = Replicate()
-_LINEAR_PARTIALS = ("sum", "avg")
 
 
 class Linearity(Enum):
@@ -65,7 +64,7 @@ def _partial_signatures(call: OpCall, linearity: Linearity) -> list[PlacementSig
     n = len(call.inputs)
     tensor_slots = [i for i, x in enumerate(call.inputs) if x is not None]
     out: list[PlacementSignature] = []
-    for op in _LINEAR_PARTIALS:
+    for op in LINEAR_REDUCE_OPS:
         p = Partial(op)
         if linearity is Linearity.UNARY and n == 1:
             out.append(sig([p], p))
@@ -165,7 +164,7 @@ SPECIAL_UNARY_OPS = [
     aten.special_modified_bessel_k1.default, aten.special_scaled_modified_bessel_k0.default,
     aten.special_scaled_modified_bessel_k1.default, aten.special_spherical_bessel_j0.default,
     aten.polygamma.default, aten.hardshrink.default, aten.softshrink.default, aten.threshold.default,
-    aten.round.decimals, aten.frexp.Tensor, aten.zero.default, aten.mvlgamma.default, aten.logical_not.default,
+    aten.round.decimals, aten.frexp.Tensor, aten.zero.default, aten.mvlgamma.default,
 ]  # fmt: skip
 
 SPECIAL_BINARY_OPS = [
@@ -241,4 +240,4 @@ def lazy_bit_view(call: OpCall) -> list[PlacementSignature]:
     x = call.inputs[0]
     assert x is not None
     sigs = [sig([Shard(d)], Shard(d)) for d in range(x.ndim)]
-    return sigs + [sig([Partial(p)], Partial(p)) for p in _LINEAR_PARTIALS]
+    return sigs + [sig([Partial(p)], Partial(p)) for p in LINEAR_REDUCE_OPS]
