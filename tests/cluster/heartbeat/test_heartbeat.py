@@ -235,3 +235,23 @@ def test_orphan_worker_process_exits_by_itself_within_2s(procs: list[subprocess.
     rc = procs[0].wait(timeout=5)
     assert time.monotonic() - t0 < 2.0
     assert rc == CONTROLLER_LOST_EXIT_CODE
+
+
+def test_a_stalled_watchdog_does_not_count_its_own_stall_as_worker_silence() -> None:
+    # the CI box (2 cores, 2 test processes, their workers) can deschedule the controller for over a second; the
+    # beats sent meanwhile sit unread in the socket, so that stall is no evidence against the worker
+    from torch_dtorch.cluster.heartbeat._common import stall_seconds
+    from torch_dtorch.cluster.heartbeat.monitor import WorkerStatus
+
+    assert stall_seconds(0.06, period=0.05) == 0.0
+    assert stall_seconds(2.05, period=0.05) == pytest.approx(2.0)
+    lost = Recorder()
+    mon = HeartbeatMonitor(death_timeout_s=1.0, on_lost=lost)
+    mon._workers["w"] = WorkerStatus(worker="w", host="h", pid=1, sequence=1, last_beat=100.0)
+    mon._scan(101.9, stalled_s=1.85)  # the watchdog ran last at 100.05, the worker's last beat at 100.0
+    assert not lost.calls and not mon.errors()
+    mon._scan(102.5)  # a pass on time: 2.5 s of wall time, 0.65 s of it while the watchdog could look
+    assert not lost.calls
+    mon._scan(103.1)  # silent for 1.25 s of watched time: lost
+    ((_, err),) = lost.calls
+    assert isinstance(err, WorkerLostError) and err.worker == "w"

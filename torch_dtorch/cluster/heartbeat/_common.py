@@ -40,6 +40,18 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+STALL_GRACE_S = 0.2
+"""A watchdog pass later than its period by more than this means the watching process itself was stalled."""
+
+
+def stall_seconds(gap_s: float, *, period: float) -> float:
+    """How much of ``gap_s`` (time between two watchdog passes meant to be ``period`` apart) the watching process
+    was stalled: 0 for a pass on time (within :data:`STALL_GRACE_S`), else everything past the period. A stalled
+    watcher has not read the beats that arrived meanwhile, so silence measured across the stall is not the peer's."""
+    late = gap_s - period
+    return late if late > STALL_GRACE_S else 0.0
+
+
 def resolve_seconds(value: float | None, *, env: str, default: float) -> float:
     """``value`` if given, else the float in environment variable ``env``, else ``default``; must be > 0."""
     if value is None:

@@ -31,6 +31,7 @@ from torch_dtorch.cluster.heartbeat._common import (
     ENV_CONTROLLER_TIMEOUT,
     log,
     resolve_seconds,
+    stall_seconds,
 )
 from torch_dtorch.cluster.heartbeat.errors import HeartbeatError
 
@@ -185,8 +186,13 @@ class HeartbeatClient:
 
     def _watch(self) -> None:
         period = min(self.interval_s, 0.05)
+        last = time.monotonic()
         while not self._stopping.wait(period) and not self._lost_fired.is_set():
-            silent = time.monotonic() - self._last_controller_beat
+            now = time.monotonic()
+            stalled = stall_seconds(now - last, period=period)  # see HeartbeatMonitor._scan
+            last = now
+            self._last_controller_beat = min(now, self._last_controller_beat + stalled)
+            silent = now - self._last_controller_beat
             if silent > self.controller_timeout_s:
                 self._fire(f"no controller heartbeat for {silent:.2f} s")
 

@@ -37,6 +37,7 @@ from torch_dtorch.cluster.heartbeat._common import (
     SERVER_OPTIONS,
     log,
     resolve_seconds,
+    stall_seconds,
 )
 from torch_dtorch.cluster.heartbeat.errors import HeartbeatError, WorkerHangError, WorkerLostError
 
@@ -321,32 +322,39 @@ class HeartbeatMonitor:
 
     def _watch(self) -> None:
         period = min(self.interval_s, 0.05)
+        last = time.monotonic()
         while not self._stopping.wait(period):
             now = time.monotonic()
-            fired: list[tuple[HeartbeatError, Any]] = []
-            with self._lock:
-                for st in self._workers.values():
-                    if st.lost or st.left or st.released:
-                        continue
-                    silent = now - st.last_beat
-                    if silent > self.death_timeout_s:
-                        reason = f"no heartbeat for {silent:.2f} s (process stopped, frozen or unreachable)"
-                        fired.append((self._lost(st, reason), self._on_lost))
-                    elif (
-                        st.busy_op is not None and not st.hung and now - st.busy_started > self.hang_timeout_s
-                    ):
-                        st.hung = True
-                        hang = WorkerHangError(
-                            st.worker,
-                            host=st.host,
-                            op=st.busy_op,
-                            elapsed_s=now - st.busy_started,
-                            timeout_s=self.hang_timeout_s,
-                        )
-                        self._errors.append(hang)
-                        fired.append((hang, self._on_hang))
-            for err, cb in fired:
-                self._deliver(err, cb)
+            self._scan(now, stalled_s=stall_seconds(now - last, period=period))
+            last = now
+
+    def _scan(self, now: float, *, stalled_s: float = 0.0) -> None:
+        """One watchdog pass at ``now``. ``stalled_s``: how long this process could not run its watchdog (a
+        loaded host descheduled it, or a C call held the GIL); beats that arrived meanwhile are still unread in
+        the sockets, so that time is credited to every worker instead of counted as their silence."""
+        fired: list[tuple[HeartbeatError, Any]] = []
+        with self._lock:
+            for st in self._workers.values():
+                if st.lost or st.left or st.released:
+                    continue
+                st.last_beat = min(now, st.last_beat + stalled_s)
+                silent = now - st.last_beat
+                if silent > self.death_timeout_s:
+                    reason = f"no heartbeat for {silent:.2f} s (process stopped, frozen or unreachable)"
+                    fired.append((self._lost(st, reason), self._on_lost))
+                elif st.busy_op is not None and not st.hung and now - st.busy_started > self.hang_timeout_s:
+                    st.hung = True
+                    hang = WorkerHangError(
+                        st.worker,
+                        host=st.host,
+                        op=st.busy_op,
+                        elapsed_s=now - st.busy_started,
+                        timeout_s=self.hang_timeout_s,
+                    )
+                    self._errors.append(hang)
+                    fired.append((hang, self._on_hang))
+        for err, cb in fired:
+            self._deliver(err, cb)
 
     def _deliver(self, err: HeartbeatError, callback: Callable[[Any], None] | None) -> None:
         log.error("%s", err)
