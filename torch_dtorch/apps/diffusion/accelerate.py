@@ -11,6 +11,7 @@ from torch import nn
 
 from torch_dtorch.apps.diffusion.cache import install_cache, scheduler_clock
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
+from torch_dtorch.apps.diffusion.quantize import quantize_transformer
 from torch_dtorch.backend import dtorch_backend
 from torch_dtorch.mesh import DeviceMesh
 
@@ -26,6 +27,8 @@ def compiles_whole_forward(config: ExecuteConfig) -> bool:
 def apply_accelerations(pipe: Any, transformer: nn.Module, mesh: DeviceMesh, config: ExecuteConfig) -> None:
     """Apply ``config.quant``, ``config.fuse`` and ``config.cache`` to ``transformer`` (in place, on the host,
     before its parameters are distributed)."""
+    if config.quant is not None:
+        quantize_transformer(transformer, config.quant, mesh)
     if config.cache is not None:
         scheduler = getattr(pipe, "scheduler", None)
         compile = None

@@ -96,19 +96,15 @@ class QuantizeConfig:
         kind: ``"fp8"`` (e4m3 weights with per-output-channel scales, activations quantized per row at run time,
             ``torch._scaled_mm``: CUDA with compute capability >= 8.9, e.g. Hopper) or ``"int8"`` (weight-only:
             int8 weights with per-output-channel scales, activations unchanged; CPU and CUDA).
-        skip: substrings of linear names left unquantized (default: the embedders and the final projection, the
-            layers most sensitive to quantization and a negligible part of the time).
+        skip: linears left unquantized: names (as in ``named_modules()``) starting with one of these, e.g.
+            ``("x_embedder", "proj_out")``. Default: none (every ``nn.Linear`` of the transformer).
+        allow_emulation: let ``"fp8"`` run where there is no fp8 GEMM (CPU, older GPUs) with its float emulation —
+            the same arithmetic, slower than the float model: for tests only.
     """
 
     kind: QuantKind = "int8"
-    skip: tuple[str, ...] = (
-        "x_embedder",
-        "context_embedder",
-        "time_text_embed",
-        "pos_embed",
-        "proj_out",
-        "norm_out",
-    )
+    skip: tuple[str, ...] = ()
+    allow_emulation: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in QUANT_KINDS:
