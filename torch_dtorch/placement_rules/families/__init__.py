@@ -29,6 +29,7 @@ FAMILIES = (
     "backward_embedding",
     "complex_views",
     "loss_nll",
+    "foreach",
 )
 
 for _name in FAMILIES:
