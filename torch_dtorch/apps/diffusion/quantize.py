@@ -97,7 +97,7 @@ def _keep_compute_dtype(transformer: nn.Module) -> None:
                 "__doc__": cls.__doc__,
             },
         )
-    transformer._dtorch_compute_dtype = dtype
+    object.__setattr__(transformer, "_dtorch_compute_dtype", dtype)
     transformer.__class__ = _DTYPE_CLASSES[cls]
 
 
