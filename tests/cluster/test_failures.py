@@ -71,7 +71,14 @@ def test_worker_killed_mid_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     owned = owned_paths(runner)
     shm_leftover(runner)
     futs = busy_work(mesh, 20)  # ~4 s of work on worker 0
-    time.sleep(0.5)
+    # kill it once its heartbeat says it is in the slow op (a fixed sleep was not enough on a loaded machine: the
+    # worker was still in the redistribute before it)
+    monitor = runner.net.monitor
+    assert monitor is not None
+    deadline = time.monotonic() + 10.0
+    while "aten.cos" not in (monitor.workers()["w0"].busy_op or ""):
+        assert time.monotonic() < deadline, monitor.workers()["w0"]
+        time.sleep(0.01)
     t0 = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
     # detection takes ~0.04 s (bench/reliability.py, docs/reliability.md); the caller's wait also includes the

@@ -375,7 +375,9 @@ def _split(
     close()
     results = output_node.args[0]
     assert isinstance(results, tuple)
-    out_slots = tuple(slot[r] if isinstance(r, fx.Node) else None for r in results)
+    # one slot per tensor output, in order: a call's out ids name exactly those (plain values such as a backward
+    # graph's ``None`` gradients are no outputs of the program)
+    out_slots = tuple(slot[r] for r in results if isinstance(r, fx.Node))
     _set_release(steps, set(s for s in out_slots if s is not None), num_inputs)
     return LocalProgram(device, g, steps, num_inputs, next_slot, out_slots, in_meta, names)
 

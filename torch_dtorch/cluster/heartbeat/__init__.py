@@ -1,4 +1,4 @@
-"""gRPC bidirectional heartbeat between the controller and its workers (DESIGN.md section 4).
+"""gRPC bidirectional heartbeat between the controller and its workers (docs/cluster.md, docs/reliability.md).
 
 * :class:`HeartbeatMonitor` (controller): detects dead workers (:class:`WorkerLostError`, within
   ``DTORCH_HEARTBEAT_TIMEOUT_S``, default 1 s; at once when the process dies) and hung ones

@@ -31,6 +31,7 @@ FAMILIES = (
     "loss_nll",
     "quantized",
     "fused",
+    "foreach",
 )
 
 for _name in FAMILIES:
