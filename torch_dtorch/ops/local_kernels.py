@@ -2,9 +2,11 @@
 
 The fused and quantized ops (``placement_rules/families/fused.py``, ``quantized.py``) are ``torch.library`` custom
 ops whose device implementation is a :class:`LocalKernel`: on CPU tensors it runs the reference function as it is
-(the yardstick the tests compare with); on CUDA tensors it runs ``torch.compile(reference, fullgraph=True,
-dynamic=False)``, one compiled function per CUDA device — so each worker (thread or process) compiles and caches
-its own kernel for its own local shapes, at the first call of each shape. ``DTORCH_LOCAL_KERNEL_COMPILE=0`` runs the
+(the yardstick the tests compare with); on CUDA tensors it runs ``torch.compile(reference, fullgraph=True)``, one
+compiled function per CUDA device — so each worker (thread or process) compiles and caches its own kernel for its
+own local shapes: static for the first shape, one dynamic-shape kernel after a second one arrives (dynamo's
+automatic dynamic shapes), so the many (tokens, features) shapes of a transformer stay well under dynamo's
+recompile limit. ``DTORCH_LOCAL_KERNEL_COMPILE=0`` runs the
 reference on CUDA too (for debugging, or where no Triton is installed).
 
 Compilation happens outside any trace: inside a compiled dtorch program the op is opaque (the worker's inductor
@@ -56,7 +58,7 @@ class LocalKernel:
                 fn = self._compiled.get(index)
                 if fn is None:
                     log.debug("local kernel %s: compiling for cuda:%d", self.name, index)
-                    fn = torch.compile(self.reference, fullgraph=True, dynamic=False)
+                    fn = torch.compile(self.reference, fullgraph=True)
                     self._compiled[index] = fn
         return fn
 

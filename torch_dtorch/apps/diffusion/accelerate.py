@@ -11,6 +11,7 @@ from torch import nn
 
 from torch_dtorch.apps.diffusion.cache import install_cache, scheduler_clock
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
+from torch_dtorch.apps.diffusion.fuse import fuse_transformer
 from torch_dtorch.apps.diffusion.quantize import quantize_transformer
 from torch_dtorch.backend import dtorch_backend
 from torch_dtorch.mesh import DeviceMesh
@@ -29,6 +30,8 @@ def apply_accelerations(pipe: Any, transformer: nn.Module, mesh: DeviceMesh, con
     before its parameters are distributed)."""
     if config.quant is not None:
         quantize_transformer(transformer, config.quant, mesh)
+    if config.fuse is not None:
+        fuse_transformer(transformer, config.fuse)
     if config.cache is not None:
         scheduler = getattr(pipe, "scheduler", None)
         compile = None

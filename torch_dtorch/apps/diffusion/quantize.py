@@ -75,9 +75,37 @@ def _check_device(config: QuantizeConfig, mesh: DeviceMesh) -> None:
         )
 
 
+_DTYPE_CLASSES: dict[type, type] = {}
+
+
+def _keep_compute_dtype(transformer: nn.Module) -> None:
+    """diffusers' ``ModelMixin.dtype`` is the first floating parameter's dtype — after quantization an fp8 weight or
+    a float32 scale — and pipelines create their latents and ids in it. The transformer's class becomes a subclass
+    (same name) whose ``dtype`` stays the compute dtype it had before."""
+    dtype = getattr(transformer, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return
+    cls = type(transformer)
+    if cls not in _DTYPE_CLASSES:
+        _DTYPE_CLASSES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "dtype": property(lambda self: self._dtorch_compute_dtype),
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+            },
+        )
+    object.__setattr__(transformer, "_dtorch_compute_dtype", dtype)
+    transformer.__class__ = _DTYPE_CLASSES[cls]
+
+
 def quantize_transformer(transformer: nn.Module, config: QuantizeConfig, mesh: DeviceMesh) -> int:
-    """Swap ``transformer``'s linears for :class:`QuantizedLinear` (in place, on the host); returns how many."""
+    """Swap ``transformer``'s linears for :class:`QuantizedLinear` (in place, on the host); returns how many. The
+    transformer keeps reporting its compute ``dtype``."""
     _check_device(config, mesh)
+    _keep_compute_dtype(transformer)
     count = 0
     for name, module in list(transformer.named_modules()):
         if not isinstance(module, nn.Linear) or any(name.startswith(s) for s in config.skip):

@@ -30,6 +30,7 @@ FAMILIES = (
     "complex_views",
     "loss_nll",
     "quantized",
+    "fused",
     "foreach",
 )
 

@@ -136,7 +136,7 @@ def _fp8_cuda(
     xq, xs = _quantize_rows(x2d.contiguous())
     y = scaled_mm(
         xq,
-        weight.t(),
+        weight.contiguous().t(),  # column-major, as the fp8 GEMM wants its second operand
         scale_a=xs,
         scale_b=scale.float().view(1, n),
         bias=None if bias is None else bias.to(torch.bfloat16),
