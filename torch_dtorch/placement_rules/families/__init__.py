@@ -16,8 +16,10 @@ FAMILIES = (
     "view",
     "view_scatter",
     "shape",
+    "cat",
     "normalization",
     "attention",
+    "attention_backward",
     "embedding",
     "creation",
     "misc",
@@ -29,6 +31,7 @@ FAMILIES = (
     "backward_embedding",
     "complex_views",
     "loss_nll",
+    "sampling",
 )
 
 for _name in FAMILIES:
