@@ -53,6 +53,7 @@ class PlannedRecording:
     _check_open: Callable[[], None]
     _drain_dead: Callable[[], None]
     _flush_locked: Callable[[], None]
+    sync: Callable[..., None]
     _append: Callable[[Instruction], None]
 
     def _free_moved(self, copies: Sequence[Operand | None], outputs: Sequence[Operand]) -> None:
@@ -73,7 +74,26 @@ class PlannedRecording:
         """Record one call of a cached plan (the eager fast path's hit): new output operands and one compact
         :class:`FastRun` instruction, expanded where it runs. Returns the outputs. This is the controller's
         per-op cost, so the common case is written out inline. ``args`` ``None``: ``plan.args_of(inputs)``, built
-        only where the run is expanded."""
+        only where the run is expanded.
+
+        The memory pre-check counts the plan's new bytes (a few integer adds); where they pass what the last free
+        figure allows, it reads a fresh one, and if that is not enough either, the executor settles (flush, free
+        the dead, wait for the workers: :meth:`sync`) before the final check, which raises
+        :class:`~torch_dtorch.errors.DeviceMemoryError` before anything of this call is recorded."""
+        guard = self.constructor.memory
+        if guard is not None:
+            mem = plan.mem
+            if mem is None or mem.guard is not guard:
+                mem = guard.plan_bytes(plan, inputs)
+            n = mem.nbytes
+            if n:
+                i = mem.pool
+                planned = guard.planned_bytes
+                if i >= 0 and planned[i] + n <= guard.budget[i]:  # one pool (the common case), inline
+                    planned[i] += n
+                elif (i >= 0 or not guard.hit(mem)) and not guard.recheck(mem):
+                    self.sync()
+                    guard.settle(str(plan.op), mem)
         with self._lock:
             if self._closed:
                 self._check_open()

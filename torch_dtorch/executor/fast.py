@@ -83,6 +83,7 @@ class FastPlan:
         "nmoves",
         "out0",
         "args_of",
+        "mem",
     )
 
     def __init__(
@@ -115,6 +116,9 @@ class FastPlan:
         #: ``inputs -> positional args`` for runs recorded without their args (the native fast path's hits: the
         #: cache key fixes every constant, so only the tensor inputs vary); set by the fast path's template
         self.args_of: Callable[[list[Operand | None]], tuple[Any, ...]] | None = None
+        #: what one hit allocates per memory pool (a ``memory_check.HitBytes``), worked out by the memory guard at
+        #: the first hit it sees
+        self.mem: Any = None
         self.view_of = rule.view_of
         self.view = ViewInfo(call.op, non_tensor_args(call)) if rule.view_of is not None else None
         #: recorded as one FastRun per call; otherwise through GraphConstructor.call_planned
