@@ -209,8 +209,8 @@ class FastOp:
         last = constructor.last_call
         if last is None or last is before:
             return out
-        op, call, rule, plan, moved, outputs, _ = last
-        if op is not self.op or rule.output_is_input is not None:
+        call, rule, outputs = last.call, last.rule, last.outputs
+        if last.op is not self.op or rule.output_is_input is not None:
             return out
         n = len(targs)
         expected = [targs[p] if p < n and isinstance(targs[p], Operand) else None for p in self.slot_pos]
@@ -226,8 +226,8 @@ class FastOp:
         tpl = self.cache[key] = _Template(
             rule,
             call,
-            op_plan=plan,
-            moved=moved,
+            op_plan=last.plan,
+            moved=list(last.moved),
             outputs=outputs,
             mesh=first.mesh,
             slot_pos=self.slot_pos,
