@@ -105,8 +105,19 @@ def _fake_pool(mesh_devices: tuple[int, ...], free: int, *, idle: bool = False) 
     from torch_dtorch.executor.memory_check import MemoryGuard, MemoryPool
 
     guard = MemoryGuard([MemoryPool("fake RAM", mesh_devices, lambda: free)], margin=0.0, idle=lambda: idle)
-    dt.device.state.get_session().executor.constructor.memory = guard
+    constructor = dt.device.state.get_session().executor.constructor
+    _REAL_GUARD.setdefault(id(constructor), constructor.memory)
+    constructor.memory = guard
     return guard
+
+
+#: the guard each session's constructor had before a test swapped in a fake one (restored by ``_restore_guard``)
+_REAL_GUARD: dict[int, object] = {}
+
+
+def _restore_guard() -> None:
+    constructor = dt.device.state.get_session().executor.constructor
+    constructor.memory = _REAL_GUARD.pop(id(constructor), constructor.memory)  # type: ignore[assignment]
 
 
 def test_factory_larger_than_host_ram_is_refused_before_anything_is_sent() -> None:
@@ -148,7 +159,7 @@ def test_memory_check_covers_outputs_uploads_and_redistributes() -> None:
         ):
             torch.mm(x, w)
     finally:
-        dt.device.state.get_session().executor.constructor.memory = None
+        _restore_guard()
     torch.testing.assert_close((x + 0).full_tensor().shape, torch.Size([256, 256]))
 
 
@@ -167,13 +178,13 @@ def test_planned_bytes_accumulate_until_freed_or_idle() -> None:
         assert guard.planned() == {"fake RAM": 1 << 20}
         del b
     finally:
-        dt.device.state.get_session().executor.constructor.memory = None
+        _restore_guard()
     idle = _fake_pool((0, 1), 1 << 20, idle=True)  # the workers are idle: the live figure shows everything
     try:
         keep = [dt.zeros(256, 256, device_mesh=mesh, placements=[Replicate()]) for _ in range(4)]
         assert len(keep) == 4 and idle.checks == 4
     finally:
-        dt.device.state.get_session().executor.constructor.memory = None
+        _restore_guard()
 
 
 def test_memory_margin_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

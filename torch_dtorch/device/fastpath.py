@@ -178,7 +178,6 @@ class FastOp:
             return MISS
         if tpl is None:
             return self._record(rt, args, kwargs, targs, tuple(key))
-        stats["hit"] += 1
         _LEARNED.tpl = tpl
         n = self.dense
         if n and i >= n:
@@ -190,6 +189,7 @@ class FastOp:
             for k in tpl.const_slots:
                 inputs[k] = None
         outs = rt.executor.record_fast(tpl.plan, tuple(targs), inputs)
+        stats["hit"] += 1
         rt.last_mesh = tpl.mesh
         on_free = dispatch._free_callback(rt)
         wrap = TABLE.wrap_view if self.view_of is not None and not args[0].is_inference() else TABLE.wrap
@@ -209,8 +209,8 @@ class FastOp:
         last = constructor.last_call
         if last is None or last is before:
             return out
-        op, call, rule, plan, moved, outputs, _ = last
-        if op is not self.op or rule.output_is_input is not None:
+        call, rule, outputs = last.call, last.rule, last.outputs
+        if last.op is not self.op or rule.output_is_input is not None:
             return out
         n = len(targs)
         expected = [targs[p] if p < n and isinstance(targs[p], Operand) else None for p in self.slot_pos]
@@ -226,8 +226,8 @@ class FastOp:
         tpl = self.cache[key] = _Template(
             rule,
             call,
-            op_plan=plan,
-            moved=moved,
+            op_plan=last.plan,
+            moved=list(last.moved),
             outputs=outputs,
             mesh=first.mesh,
             slot_pos=self.slot_pos,
@@ -293,8 +293,8 @@ def _native_hit(tpl: _Template, inputs: list[Operand | None]) -> list[Operand] |
     rt = state._SESSION
     if rt is None:
         return None
-    stats["hit"] += 1
     outs = rt.executor.record_fast(tpl.plan, None, inputs)  # args are built where the run is expanded
+    stats["hit"] += 1
     rt.last_mesh = tpl.mesh
     return outs
 

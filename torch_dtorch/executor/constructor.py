@@ -19,7 +19,7 @@ from torch_dtorch.placement import Placement, Placements, Replicate, normalize_p
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan, plan_redistribute
 
-__all__ = ["BoundOp", "GraphConstructor", "RedistributeSpec", "redistribute_spec"]
+__all__ = ["BoundOp", "GraphConstructor", "LastCall", "RedistributeSpec", "redistribute_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,21 @@ class BoundOp(NamedTuple):
 
     rule: OpRule
     call: OpCall
+
+
+class LastCall(NamedTuple):
+    """What :meth:`GraphConstructor.call` decided for its last call (the eager fast path builds its templates from
+    it; the eager executor frees the moved copies)."""
+
+    op: Any
+    call: OpCall
+    rule: OpRule
+    plan: Any  # the rule's OpPlan
+    #: input slots that were redistributed first
+    moved: Sequence[int]
+    outputs: list[Operand]
+    #: the inputs after the moves (the copies in the moved slots)
+    inputs: list[Operand | None]
 
 
 class RedistributeSpec(NamedTuple):
@@ -88,9 +103,10 @@ class GraphConstructor:
         self.policy = policy
         #: called with every operator added (redistributes included), in order: how executors stream work
         self.listeners: list[Callable[[Operator], None]] = []
-        #: ``(op, call, rule, plan, redistributed input slots, outputs, inputs after the moves)`` of the last
-        #: :meth:`call` (the eager fast path builds its templates from it; the eager executor frees the moved copies)
-        self.last_call: tuple[Any, ...] | None = None
+        #: what the last :meth:`call` decided
+        self.last_call: LastCall | None = None
+        #: calls planned in full (:meth:`call`: rule matching and planning); the eager fast path replays the rest
+        self.num_planned = 0
         #: the memory pre-check of the planned allocations (:mod:`.memory_check`; ``None``: not checked)
         self.memory: MemoryGuard | None = None
 
@@ -127,6 +143,7 @@ class GraphConstructor:
         ``placements``/``device_mesh`` request output placements (factories), as in ``torch.zeros(...,
         device_mesh=mesh, placements=[Shard(0)])``.
         """
+        self.num_planned += 1
         call = OpCall.make(op, args, kwargs, mesh=device_mesh or self.default_mesh)
         rule = get_rule(op)
         prefer: tuple[Placements, ...] | None = None
@@ -194,7 +211,9 @@ class GraphConstructor:
             if rule.view_of is None and rule.output_is_input is None and not rule.writes_inputs:
                 for k, y in enumerate(outputs):
                     guard.track(y.id, sizes.get(-1 - k, {}))
-        self.last_call = (op, call, rule, plan, moved, outputs, inputs)
+        self.last_call = LastCall(
+            op=op, call=call, rule=rule, plan=plan, moved=moved, outputs=outputs, inputs=inputs
+        )
         return self._structure(op, outputs)
 
     def _check_memory(
@@ -422,8 +441,17 @@ def planned_outputs(
     oid = graph._next_operand
     for meta, mesh, pl in out_specs:
         dtype = meta.dtype
-        o = Operand(oid, meta.shape, dtype, mesh, pl, meta.stride, None, [], base, view,
-                    grad and dtype.is_floating_point)  # fmt: skip
+        o = Operand(
+            id=oid,
+            shape=meta.shape,
+            dtype=dtype,
+            mesh=mesh,
+            placements=pl,
+            stride=meta.stride,
+            base=base,
+            view=view,
+            requires_grad=grad and dtype.is_floating_point,
+        )
         outs.append(o)
         if graph.record:
             graph.operands[oid] = o

@@ -26,7 +26,7 @@ import torch
 
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
-from torch_dtorch.executor.eager_planned import PlannedRecording, user_call_site
+from torch_dtorch.executor.eager_planned import PlannedRecorder, user_call_site
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.instructions import (
     Barrier,
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 _FREE_CHUNK = 1024
 
 
-class EagerGraphExecutor(PlannedRecording):
+class EagerGraphExecutor:
     """Streams operators to ``runner`` in batches.
 
     Args:
@@ -106,6 +106,11 @@ class EagerGraphExecutor(PlannedRecording):
         self._timer.start()
         self._resolver = ValueResolver(self)
         self.constructor.memory = memory_guard_for(runner, idle=self._workers_idle)
+        #: the recording of planned calls (the fast path's hits, replays of known plans): its entry points are bound
+        #: here as attributes, so a hit costs one call
+        self.planned = PlannedRecorder(self)
+        self.record_fast = self.planned.record_fast
+        self.call_planned = self.planned.call_planned
 
     def _workers_idle(self) -> bool:
         """Whether the workers ran everything sent so far and nothing is pending (the memory check's planned bytes
@@ -139,9 +144,8 @@ class EagerGraphExecutor(PlannedRecording):
             before = c.last_call
             out = c.call(op, *args, **kwargs)
             last = c.last_call
-            if last is not None and last is not before and last[4]:
-                moved, outputs, inputs = last[4], last[5], last[6]
-                self._free_moved([inputs[i] for i in moved], outputs)
+            if last is not None and last is not before and last.moved:
+                self.planned.free_moved([last.inputs[i] for i in last.moved], last.outputs)
             return out
 
     def redistribute(

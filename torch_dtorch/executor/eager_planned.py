@@ -1,61 +1,61 @@
-"""The eager executor's recording of planned calls: the fast path's hits (:meth:`PlannedRecording.record_fast`, one
+"""The eager executor's recording of planned calls: the fast path's hits (:meth:`PlannedRecorder.record_fast`, one
 compact :class:`~torch_dtorch.executor.instructions.FastRun` each), replays of a known plan
-(:meth:`PlannedRecording.call_planned`), and the freeing of the copies redistributed inputs get.
+(:meth:`PlannedRecorder.call_planned`), and the freeing of the copies redistributed inputs get.
 
-A mixin of :class:`~torch_dtorch.executor.eager.EagerGraphExecutor` (its lock, pending batch and dead-operand queue);
-split out so that module keeps to batching, data transfers and synchronization.
+A :class:`PlannedRecorder` is owned by its :class:`~torch_dtorch.executor.eager.EagerGraphExecutor` (``.planned``)
+and appends to the executor's pending batch under the executor's lock; the executor exposes its two entry points as
+bound methods (``executor.record_fast``, ``executor.call_planned``), so a fast-path hit costs no extra call.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from time import monotonic as _monotonic
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torch_dtorch.config import get_config
 from torch_dtorch.executor.constructor import (
     BoundOp,
-    GraphConstructor,
     RedistributeSpec,
     planned_outputs,
 )
 from torch_dtorch.executor.fast import FastPlan, replay_moves
-from torch_dtorch.executor.instructions import FastRun, Instruction, RunOp
+from torch_dtorch.executor.instructions import FastRun, RunOp
 from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements
 from torch_dtorch.placement_rules import OpCall, OpRule
 
-__all__ = ["PlannedRecording", "user_call_site"]
+if TYPE_CHECKING:
+    from torch_dtorch.executor.eager import EagerGraphExecutor
+
+__all__ = ["PlannedRecorder", "user_call_site"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-class PlannedRecording:
-    """Recording of planned calls (see the module docstring); the attributes below are the executor's."""
+class PlannedRecorder:
+    """Recording of planned calls into ``executor``'s batch (see the module docstring).
 
-    _lock: threading.RLock
-    _closed: bool
-    constructor: GraphConstructor
-    batch_size: int
-    _pending: list[Instruction]
-    _dead: collections.deque[int]
-    _owned: dict[int, list[int]]
-    _last: float
-    _wake: threading.Event
-    _check_open: Callable[[], None]
-    _drain_dead: Callable[[], None]
-    _flush_locked: Callable[[], None]
-    _append: Callable[[Instruction], None]
+    Args:
+        executor: the owning :class:`~torch_dtorch.executor.eager.EagerGraphExecutor` (its lock, pending batch and
+            dead-operand queue; the objects that never change are kept here too, for the hot path).
+    """
 
-    def _free_moved(self, copies: Sequence[Operand | None], outputs: Sequence[Operand]) -> None:
+    def __init__(self, executor: EagerGraphExecutor) -> None:
+        self._ex = executor
+        self._lock = executor._lock
+        self.constructor = executor.constructor
+        self._dead = executor._dead
+        self._owned = executor._owned
+        self._wake = executor._wake
+
+    def free_moved(self, copies: Sequence[Operand | None], outputs: Sequence[Operand]) -> None:
         """The redistributed copies of an op's inputs are dead once the op ran, unless an output views one: then
         they die with that output. Callers hold ``self._lock``."""
         for y in copies:
@@ -73,10 +73,30 @@ class PlannedRecording:
         """Record one call of a cached plan (the eager fast path's hit): new output operands and one compact
         :class:`FastRun` instruction, expanded where it runs. Returns the outputs. This is the controller's
         per-op cost, so the common case is written out inline. ``args`` ``None``: ``plan.args_of(inputs)``, built
-        only where the run is expanded."""
+        only where the run is expanded.
+
+        The memory pre-check counts the plan's new bytes (a few integer adds); where they pass what the last free
+        figure allows, it reads a fresh one, and if that is not enough either, the executor settles (flush, free
+        the dead, wait for the workers: :meth:`sync`) before the final check, which raises
+        :class:`~torch_dtorch.errors.DeviceMemoryError` before anything of this call is recorded."""
+        ex = self._ex
+        guard = self.constructor.memory
+        if guard is not None:
+            mem = plan.mem
+            if mem is None or mem.guard is not guard:
+                mem = guard.plan_bytes(plan, inputs)
+            n = mem.nbytes
+            if n:
+                i = mem.pool
+                planned = guard.planned_bytes
+                if i >= 0 and planned[i] + n <= guard.budget[i]:  # one pool (the common case), inline
+                    planned[i] += n
+                elif (i >= 0 or not guard.hit(mem)) and not guard.recheck(mem):
+                    ex.sync()
+                    guard.settle(str(plan.op), mem)
         with self._lock:
-            if self._closed:
-                self._check_open()
+            if ex._closed:
+                ex._check_open()
             c = self.constructor
             g = c.graph
             if not plan.compact or g.record or len(c.listeners) != 1:
@@ -99,8 +119,11 @@ class PlannedRecording:
                             break
                 vo = plan.view_of
                 base = inputs[vo] if vo is not None else None
-                outs = [Operand(oid, shape, dtype, mesh, pl, stride, None, [], base,
-                                plan.view if base is not None else None, grad)]  # fmt: skip
+                # positional on purpose: this is the per-hit cost, and keyword arguments double the dataclass's
+                # __init__ (+0.5 us per op in bench/eager_overhead.py). Fields: id, shape, dtype, mesh, placements,
+                # stride, producer, consumers, base, view, requires_grad
+                view = plan.view if base is not None else None
+                outs = [Operand(oid, shape, dtype, mesh, pl, stride, None, [], base, view, grad)]
                 g._next_operand = oid + 1
             else:
                 outs = plan.outputs(oid, inputs)
@@ -110,15 +133,15 @@ class PlannedRecording:
             instr = FastRun(
                 plan, args, inputs, outs, first, opid, user_call_site() if get_config().debug else None
             )
-            # _append, inline
+            # ex._append, inline
             if self._dead:
-                self._drain_dead()
-            pending = self._pending
+                ex._drain_dead()
+            pending = ex._pending
             pending.append(instr)
-            self._last = _monotonic()
+            ex._last = _monotonic()
             n = len(pending)
-            if n >= self.batch_size:
-                self._flush_locked()
+            if n >= ex.batch_size:
+                ex._flush_locked()
             elif n == 1:
                 self._wake.set()
             return outs
@@ -135,9 +158,10 @@ class PlannedRecording:
         """Record an operator whose plan is known (see :meth:`GraphConstructor.call_planned`). The eager fast path
         calls this for every cache hit, so the common case (no redistribute, only this executor listening, nothing
         recorded) builds the operands, the operator and its instruction inline."""
+        ex = self._ex
         with self._lock:
-            if self._closed:
-                self._check_open()
+            if ex._closed:
+                ex._check_open()
             c = self.constructor
             g = c.graph
             if g.record or len(c.listeners) != 1:
@@ -151,7 +175,7 @@ class PlannedRecording:
                         copies.append(moved[slot])
                     call = call.retarget(moved, call.placements)
                 outs = c.call_planned(rule, call, out_specs, assign, cost)
-                self._free_moved(copies, outs)
+                self.free_moved(copies, outs)
                 return outs
             call_site = user_call_site() if get_config().debug else None
             if moves:
@@ -159,13 +183,21 @@ class PlannedRecording:
             inputs = call.inputs
             outs = planned_outputs(g, rule, call, out_specs)
             node = Operator(
-                g._next_operator, call.op, call.args, call.kwargs, inputs, outs, rule.family, assign, cost, "",
-                BoundOp(rule, call),
-            )  # fmt: skip
+                id=g._next_operator,
+                op=call.op,
+                args=call.args,
+                kwargs=call.kwargs,
+                inputs=inputs,
+                outputs=outs,
+                family=rule.family,
+                assign=assign,
+                cost=cost,
+                payload=BoundOp(rule, call),
+            )
             g._next_operator += 1
-            self._append(RunOp(node, call_site))
+            ex._append(RunOp(node, call_site))
             if moves:
-                self._free_moved([inputs[slot] for slot, _, _ in moves], outs)
+                self.free_moved([inputs[slot] for slot, _, _ in moves], outs)
             return outs
 
     def _replay_moves(
@@ -179,7 +211,7 @@ class PlannedRecording:
         g._next_operand += len(moved)
         g._next_operator += len(moved)
         for instr in moved:
-            self._append(instr)
+            self._ex._append(instr)
         return OpCall(call.op, args, call.kwargs, inputs, call.mesh, call.placements, call.out_meta)
 
 

@@ -44,10 +44,28 @@ def replay_moves(
     for k, (slot, pos, spec) in enumerate(moves):
         x = inputs[slot]
         assert x is not None
-        y = Operand(first_id + k, x.shape, x.dtype, spec.out_mesh, spec.out_placements, None, None, [], None, None,
-                    x.requires_grad, None, x)  # fmt: skip
-        node = Operator(first_op + k, REDISTRIBUTE, (x,), {}, [x], [y], "collective", spec.assign, spec.cost,
-                        spec.note, spec.plan)  # fmt: skip
+        y = Operand(
+            id=first_id + k,
+            shape=x.shape,
+            dtype=x.dtype,
+            mesh=spec.out_mesh,
+            placements=spec.out_placements,
+            requires_grad=x.requires_grad,
+            copy_of=x,
+        )
+        node = Operator(
+            id=first_op + k,
+            op=REDISTRIBUTE,
+            args=(x,),
+            kwargs={},
+            inputs=[x],
+            outputs=[y],
+            family="collective",
+            assign=spec.assign,
+            cost=spec.cost,
+            note=spec.note,
+            payload=spec.plan,
+        )
         out.append(Redistribute(node, call_site))
         inputs[slot] = y
         largs[pos] = y
@@ -83,6 +101,7 @@ class FastPlan:
         "nmoves",
         "out0",
         "args_of",
+        "mem",
     )
 
     def __init__(
@@ -115,6 +134,9 @@ class FastPlan:
         #: ``inputs -> positional args`` for runs recorded without their args (the native fast path's hits: the
         #: cache key fixes every constant, so only the tensor inputs vary); set by the fast path's template
         self.args_of: Callable[[list[Operand | None]], tuple[Any, ...]] | None = None
+        #: what one hit allocates per memory pool (a ``memory_check.HitBytes``), worked out by the memory guard at
+        #: the first hit it sees
+        self.mem: Any = None
         self.view_of = rule.view_of
         self.view = ViewInfo(call.op, non_tensor_args(call)) if rule.view_of is not None else None
         #: recorded as one FastRun per call; otherwise through GraphConstructor.call_planned
@@ -138,7 +160,17 @@ class FastPlan:
         base = inputs[view_of] if view_of is not None else None
         view = self.view if base is not None else None
         return [
-            Operand(first_id + i, shape, dtype, mesh, pl, stride, None, [], base, view, grad and fp)
+            Operand(
+                id=first_id + i,
+                shape=shape,
+                dtype=dtype,
+                mesh=mesh,
+                placements=pl,
+                stride=stride,
+                base=base,
+                view=view,
+                requires_grad=grad and fp,
+            )
             for i, (shape, dtype, mesh, pl, stride, fp) in enumerate(self.outs)
         ]
 
@@ -159,8 +191,18 @@ class FastPlan:
             oid += len(moved)
             opid += len(moved)
         call = self.call(args, inputs)
-        node = Operator(opid, self.op, args, self.kwargs, inputs, run.outputs, self.rule.family, self.assign,
-                        self.cost, "", BoundOp(self.rule, call))  # fmt: skip
+        node = Operator(
+            id=opid,
+            op=self.op,
+            args=args,
+            kwargs=self.kwargs,
+            inputs=inputs,
+            outputs=run.outputs,
+            family=self.rule.family,
+            assign=self.assign,
+            cost=self.cost,
+            payload=BoundOp(self.rule, call),
+        )
         out.append(RunOp(node, call_site, replay_key=self))
         if self.moves:
             out.append(Free(list(range(run.first_id, oid))))

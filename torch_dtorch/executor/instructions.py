@@ -1,7 +1,7 @@
 """Instructions a worker executes, in the order the controller issued them.
 
-Data only (frozen dataclasses with slots): thread mode passes them as plain objects, process mode will serialize
-them (later issue). Every worker receives every batch and runs the instructions that concern its device
+Data only (frozen dataclasses with slots): thread mode passes them as plain objects, process mode serializes them
+(:mod:`torch_dtorch.cluster.codec`). Every worker receives every batch and runs the instructions that concern its device
 (:func:`devices_of`). Tensor bytes never travel inside an instruction: they go through the TensorStore under
 ``(key, device)``.
 """

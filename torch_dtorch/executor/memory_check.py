@@ -17,9 +17,16 @@ What is checked (on the planning path: every call the eager fast path has not ca
   tensors die), against the free figure less a safety margin: ``DTORCH_MEMORY_MARGIN`` (a fraction of the free
   memory kept back, default ``0.1``).
 
-What is **not** checked: fast-path hits (a call the fast path replays re-uses sizes checked once when it was
-planned; repeated allocations of one size are seen at the next check, through the free figure), kernels' own
-temporary workspace, the compile backend's programs, and remote CPU workers (no figure until one is reported).
+Fast-path hits (a call the eager fast path replays) are checked too, cheaply: the plan knows its new bytes per pool
+(outputs that are not views, redistributed input copies), worked out at its first hit; each hit adds them to the
+pool's planned bytes (:meth:`MemoryGuard.hit`, a few integer adds) and compares them with what the last free figure
+allows. Past it, the check reads a fresh figure (:meth:`MemoryGuard.recheck`); if that does not allow the hit
+either, the executor **settles** -- flushes, frees the dead tensors and waits until the workers ran everything, so
+the figure shows exactly what is alive -- and checks once more (:meth:`MemoryGuard.settle`), failing only then. A
+loop whose outputs die therefore never fails; one that keeps them fails in the call that would not fit.
+
+What is **not** checked: kernels' own temporary workspace, the compile backend's programs, and remote CPU workers
+(no figure until one is reported).
 ``DTORCH_MEMORY_CHECK=0`` turns the check off. Nothing is queued when the check fails: the mesh and every other
 tensor stay usable.
 """
@@ -27,6 +34,7 @@ tensor stay usable.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -36,9 +44,10 @@ from typing import Any
 
 from torch_dtorch.errors_oom import DeviceMemoryError
 from torch_dtorch.graph import Operand
-from torch_dtorch.placement import Shard, local_shape_and_offset
+from torch_dtorch.placement import Shard, local_shape_and_offset, placements_str
 
 __all__ = [
+    "HitBytes",
     "MemoryGuard",
     "MemoryPool",
     "cuda_free_bytes",
@@ -142,6 +151,26 @@ def shard_bytes(shape: Sequence[int], dtype: Any, root: Any, root_placements: An
     return out
 
 
+class HitBytes:
+    """What one fast-path hit allocates (:meth:`MemoryGuard.plan_bytes`): ``per_pool``, ``(pool index, bytes)`` of
+    every pool it allocates on; ``pool``/``nbytes`` the same when that is one pool (``pool`` ``-1``: several, or
+    none with ``nbytes`` 0); ``labels``, each new tensor's description and bytes per device (for the error)."""
+
+    __slots__ = ("guard", "per_pool", "pool", "nbytes", "labels")
+
+    def __init__(
+        self,
+        guard: MemoryGuard,
+        per_pool: tuple[tuple[int, int], ...],
+        labels: tuple[tuple[str, dict[int, int]], ...],
+    ) -> None:
+        self.guard = guard
+        self.per_pool = per_pool
+        self.pool = per_pool[0][0] if len(per_pool) == 1 else -1
+        self.nbytes = sum(n for _, n in per_pool)
+        self.labels = labels
+
+
 class MemoryGuard:
     """The controller's memory pre-check (see the module docstring).
 
@@ -162,14 +191,21 @@ class MemoryGuard:
         self.margin = _env_margin() if margin is None else margin
         self._idle = idle
         self._pool_of = {d: i for i, p in enumerate(self.pools) for d in p.devices}
-        self._planned = [0] * len(self.pools)  # bytes planned since the free figure last showed them
+        #: per pool, bytes planned since the free figure last showed them (a fast-path hit adds to it inline:
+        #: ``EagerGraphExecutor.record_fast``; the list is only ever changed in place)
+        self.planned_bytes = [0] * len(self.pools)
         self._generations = [p.generation() if p.generation is not None else 0 for p in self.pools]
         self._last_free: list[tuple[int | None, float]] = [(None, 0.0)] * len(self.pools)
+        #: per pool, what the last free figure allows (free less the margin; -1 before the first figure): a
+        #: fast-path hit passes while the planned bytes stay under it
+        self.budget: list[float] = [-1.0] * len(self.pools)
         self._sizes: dict[
             int, list[tuple[int, int]]
-        ] = {}  # operand id -> [(pool, bytes)] counted in _planned
+        ] = {}  # operand id -> [(pool, bytes)] counted in planned_bytes
         self._lock = threading.Lock()
         self.checks = 0
+        #: how often a fast-path hit made the executor settle (tests, diagnostics)
+        self.settles = 0
 
     def check(self, what: str, tensors: Iterable[tuple[str, dict[int, int]]]) -> None:
         """Raise :class:`DeviceMemoryError` if the new ``tensors`` (each a description and its bytes per device)
@@ -193,51 +229,129 @@ class MemoryGuard:
                     continue
                 free, at = self._last_free[i]
                 # a small allocation next to a recent figure needs no new one (reading one costs ~15 us)
-                if free is None or now - at > _FIGURE_TTL_S or need[i] + self._planned[i] > free / 4:
+                if free is None or now - at > _FIGURE_TTL_S or need[i] + self.planned_bytes[i] > free / 4:
                     if not refreshed:
                         self._refresh()
                         refreshed = True
                     free = pool.free()
                     self._last_free[i] = (free, now)
+                    self.budget[i] = math.inf if free is None else free * (1.0 - self.margin)
                 if free is None:
                     continue
-                allowed = free * (1.0 - self.margin) - self._planned[i]
+                allowed = free * (1.0 - self.margin) - self.planned_bytes[i]
                 if need[i] > allowed:
-                    raise self._error(what, items, pool, need[i], free, self._planned[i])
+                    raise self._error(what, items, pool, need[i], free, self.planned_bytes[i])
             for i, n in enumerate(need):
-                self._planned[i] += n
+                self.planned_bytes[i] += n
+
+    # --- fast-path hits (see the module docstring) ----------------------------------------------------------
+    def plan_bytes(self, plan: Any, inputs: Sequence[Operand | None]) -> HitBytes:
+        """What one hit of ``plan`` (a :class:`~torch_dtorch.executor.fast.FastPlan`) allocates per pool of this
+        guard, with a description of each new tensor (for the error); kept on the plan (``plan.mem``)."""
+        labels: list[tuple[str, dict[int, int]]] = []
+        for slot, _, spec in plan.moves:
+            x = inputs[slot]
+            if x is not None:
+                out_root = spec.out_mesh.root
+                per = shard_bytes(
+                    x.shape, x.dtype, out_root, spec.out_mesh.to_root_placements(spec.out_placements)
+                )
+                labels.append((f"copy of input {slot} as {placements_str(spec.out_placements)}", per))
+        if plan.view_of is None:
+            for k, (shape, dtype, mesh, pl, _, _) in enumerate(plan.outs):
+                if mesh is not None:
+                    per = shard_bytes(shape, dtype, mesh.root, mesh.to_root_placements(pl))
+                    name = str(dtype).removeprefix("torch.")
+                    labels.append((f"output {k}: {name}{list(shape)} {placements_str(pl)}", per))
+        need = [0] * len(self.pools)
+        for _, per in labels:
+            for d, n in per.items():
+                i = self._pool_of.get(d)
+                if i is not None:
+                    need[i] += n
+        mem = HitBytes(self, per_pool=tuple((i, n) for i, n in enumerate(need) if n), labels=tuple(labels))
+        plan.mem = mem
+        return mem
+
+    def hit(self, mem: HitBytes) -> bool:
+        """Count one fast-path hit's bytes as planned; ``False`` (nothing counted) where that would pass what the
+        last free figure allows: then :meth:`recheck`. Lock-free (an estimate, like the planned bytes)."""
+        planned = self.planned_bytes
+        budget = self.budget
+        for i, n in mem.per_pool:
+            if planned[i] + n > budget[i]:
+                return False
+        for i, n in mem.per_pool:
+            planned[i] += n
+        return True
+
+    def recheck(self, mem: HitBytes) -> bool:
+        """A hit past the last figure: read fresh figures; count it and return ``True`` if they allow it."""
+        with self._lock:
+            self._refresh()
+            return self._admit(mem, settled=False)
+
+    def settle(self, what: str, mem: HitBytes) -> None:
+        """The executor has settled (every dead tensor freed, the workers idle): nothing planned is unallocated, so
+        a fresh figure is the whole truth. Count the hit, or raise :class:`DeviceMemoryError`."""
+        with self._lock:
+            self.settles += 1
+            self.planned_bytes[:] = [0] * len(self.pools)
+            self._sizes.clear()
+            self._admit(mem, settled=True, what=what)
+
+    def _admit(self, mem: HitBytes, *, settled: bool, what: str = "") -> bool:
+        # callers hold the lock
+        now = time.monotonic()
+        fresh: dict[int, int | None] = {}
+        for i, _ in mem.per_pool:
+            free = self.pools[i].free()
+            self._last_free[i] = (free, now)
+            self.budget[i] = math.inf if free is None else free * (1.0 - self.margin)
+            fresh[i] = free
+        for i, n in mem.per_pool:
+            if self.planned_bytes[i] + n > self.budget[i]:
+                if not settled:
+                    return False
+                free = fresh[i]
+                assert free is not None
+                raise self._error(what, list(mem.labels), self.pools[i], n, free, self.planned_bytes[i])
+        self.checks += 1
+        for i, n in mem.per_pool:
+            self.planned_bytes[i] += n
+        return True
 
     def track(self, operand_id: int, per_device: dict[int, int]) -> None:
         """``operand_id`` holds bytes :meth:`check` counted: its death lowers the planned bytes again."""
         counted = [(i, n) for d, n in per_device.items() if (i := self._pool_of.get(d)) is not None and n]
         if counted:
             with self._lock:
-                if any(self._planned[i] for i, _ in counted):
+                if any(self.planned_bytes[i] for i, _ in counted):
                     self._sizes[operand_id] = counted
 
     def _refresh(self) -> None:
         """Forget the planned bytes the free figures show by now (callers hold the lock)."""
         live_idle: bool | None = None
         for i, pool in enumerate(self.pools):
-            if not self._planned[i]:
+            if not self.planned_bytes[i]:
                 continue
             if pool.generation is not None:
                 g = pool.generation()
                 if g != self._generations[i]:
                     self._generations[i] = g
-                    self._planned[i] = 0
+                    self.planned_bytes[i] = 0
             else:
                 if live_idle is None:
                     live_idle = self._idle is not None and self._idle()
                 if live_idle:
-                    self._planned[i] = 0
-        if not any(self._planned):
+                    self.planned_bytes[i] = 0
+        if not any(self.planned_bytes):
             self._sizes.clear()
 
     def planned(self) -> dict[str, int]:
         """Bytes planned per pool that its free figure may not show yet (diagnostics)."""
         with self._lock:
-            return {p.name: n for p, n in zip(self.pools, self._planned, strict=True)}
+            return {p.name: n for p, n in zip(self.pools, self.planned_bytes, strict=True)}
 
     @property
     def tracking(self) -> bool:
@@ -252,7 +366,7 @@ class MemoryGuard:
             pop = self._sizes.pop
             for oid in operand_ids:
                 for i, n in pop(oid, ()):
-                    self._planned[i] = max(0, self._planned[i] - n)
+                    self.planned_bytes[i] = max(0, self.planned_bytes[i] - n)
 
     def _error(
         self,

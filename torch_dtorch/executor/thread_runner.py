@@ -3,7 +3,7 @@
 Each device gets a :class:`~torch_dtorch.executor.worker.Worker` on its own
 :class:`~torch_dtorch.runtime.stream.KernelStream` thread; they share one in-memory collectives world and one
 in-memory TensorStore with the controller. Threads share the GIL: this suits CPU simulation, virtual ranks on one
-GPU and small meshes; several real GPUs want the process runner (later issue).
+GPU and small meshes; several real GPUs want the process runner (:class:`torch_dtorch.cluster.runner.ClusterRunner`).
 """
 
 from __future__ import annotations
