@@ -30,6 +30,7 @@ FAMILIES = (
     "complex_views",
     "loss_nll",
     "foreach",
+    "foreach_norm",
 )
 
 for _name in FAMILIES:
