@@ -16,8 +16,10 @@ FAMILIES = (
     "view",
     "view_scatter",
     "shape",
+    "cat",
     "normalization",
     "attention",
+    "attention_backward",
     "embedding",
     "creation",
     "misc",
@@ -29,8 +31,11 @@ FAMILIES = (
     "backward_embedding",
     "complex_views",
     "loss_nll",
+    "quantized",
+    "fused",
     "foreach",
     "foreach_norm",
+    "sampling",
 )
 
 for _name in FAMILIES:

@@ -26,7 +26,7 @@ import torch
 from torch_dtorch.errors import PlacementMismatchError
 from torch_dtorch.placement import Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.families.context_parallel import device_comm, exchange, register_comm_kernel
+from torch_dtorch.placement_rules.families.comm import device_comm, exchange, register_comm_kernel
 from torch_dtorch.placement_rules.families.norm_comm import comm_group
 from torch_dtorch.placement_rules.rule import OpRule, get_rule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature
