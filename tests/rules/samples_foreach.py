@@ -40,3 +40,11 @@ def _args(op: Any) -> tuple[Any, ...]:
 
 
 SAMPLES: dict[object, list[Sample]] = {op: [Sample(_args(op))] for op in FOREACH_OPS}
+
+SAMPLES[torch.ops.aten._foreach_norm.Scalar] = [
+    Sample(([_value(5, 3), _value(3), _value(2, 7)],)),
+    Sample(([_value(5, 3), _value(4)], 3.0)),
+    Sample(([_value(5, 3), _value(4)], float("inf"))),
+    Sample(([_value(6), _value(3, 2)], 1)),
+    Sample(([_value(5, 3)], 2, torch.float64), atol=1e-6),
+]

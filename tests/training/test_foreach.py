@@ -196,3 +196,23 @@ def test_adamw_step_time_printed(capsys: pytest.CaptureFixture[str]) -> None:
         print(f"\nAdamW step, 200 params, 2 CPU workers: foreach {times[True] * 1e3:.1f} ms, "
               f"single-tensor {times[False] * 1e3:.1f} ms")  # fmt: skip
     assert times[True] < times[False] * 1.5
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["mesh2", "mesh2x2"])
+def test_clip_grad_norm_batched_equals_torch(mesh_shape: tuple[int, ...], norm_type: float) -> None:
+    """``clip_grad_norm_`` (foreach): one ``_foreach_norm`` operator for the whole list (sharded elements exchange one
+    stacked vector of partials per group of comm axes), equal to torch's total norm and clipped gradients."""
+    torch.manual_seed(0)
+    mesh = init_mesh(mesh_shape)
+    layout = LAYOUT_1D if len(mesh_shape) == 1 else LAYOUT_2D
+    ours, ref = _params(mesh, layout)
+    _set_grads(ours, ref, layout, mesh)
+    with _Ops() as seen:
+        total = torch.nn.utils.clip_grad_norm_(ours, 0.5, norm_type=norm_type)
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type=norm_type)
+    assert seen.ops.get("aten._foreach_norm.Scalar") == 1
+    torch.testing.assert_close(total.full_tensor(), want, atol=1e-5, rtol=1e-5)
+    for p, r in zip(ours, ref, strict=True):
+        assert p.grad is not None and r.grad is not None
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, atol=1e-5, rtol=1e-5)

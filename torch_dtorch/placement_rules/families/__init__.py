@@ -34,6 +34,7 @@ FAMILIES = (
     "quantized",
     "fused",
     "foreach",
+    "foreach_norm",
     "sampling",
 )
 

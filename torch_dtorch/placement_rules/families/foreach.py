@@ -83,6 +83,7 @@ def _overloads(name: str, *, in_place: bool) -> list[Any]:
 class ForeachRule(OpRule):
     """The list rule of one ``_foreach_*`` overload (see the module docstring)."""
 
+    family = "foreach"
     op_by_op_fallback = True
     auto_replicate = False  # every element has its own target: never gather the whole list
 
