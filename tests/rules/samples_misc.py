@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.rules.harness import Sample
+from torch_dtorch.placement import Replicate, Shard
 
 aten = torch.ops.aten
 g = torch.Generator().manual_seed(3)
@@ -48,4 +49,17 @@ SAMPLES: dict[object, list[Sample]] = {
         Sample((X, 0.4, True), compare=False),
     ],
     aten.one_hot.default: [Sample((INT, 5)), Sample((INT[0], 4))],
+    # random: shapes and dtypes only (the values follow the generator state, checked in tests/apps/llama)
+    aten.multinomial.default: [
+        Sample(
+            (torch.softmax(torch.randn(5, 7, generator=torch.Generator().manual_seed(4)), -1), 3),
+            compare=False,
+            options=lambda slot, t: [Replicate(), Shard(0), Shard(1)],
+        ),
+        Sample(
+            (torch.softmax(torch.randn(5, 7, generator=torch.Generator().manual_seed(5)), -1), 4, True),
+            compare=False,
+            options=lambda slot, t: [Replicate(), Shard(0), Shard(1)],
+        ),
+    ],
 }

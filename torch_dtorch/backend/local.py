@@ -290,7 +290,9 @@ def build_local_program(
         else:
             node.meta.update(local=_local_meta(op.outputs[0], device), label=op.outputs[0].name)
             env[op.outputs[0].id] = node
-    results = tuple(env.get(o.id) if isinstance(o, Operand) else None for o in prop.outputs)
+    # one entry per tensor output, as a call's out ids (``None``: not held by this rank, e.g. another pipeline
+    # stage's); plain values (a backward graph's ``None`` gradients) are no outputs of the program
+    results = tuple(env.get(o.id) for o in prop.outputs if isinstance(o, Operand))
     g.output(results)
     g.lint()
     return _split(g, device, len(prop.inputs), tuple(in_meta), names)
@@ -375,9 +377,7 @@ def _split(
     close()
     results = output_node.args[0]
     assert isinstance(results, tuple)
-    # one slot per tensor output, in order: a call's out ids name exactly those (plain values such as a backward
-    # graph's ``None`` gradients are no outputs of the program)
-    out_slots = tuple(slot[r] for r in results if isinstance(r, fx.Node))
+    out_slots = tuple(slot[r] if isinstance(r, fx.Node) else None for r in results)
     _set_release(steps, set(s for s in out_slots if s is not None), num_inputs)
     return LocalProgram(device, g, steps, num_inputs, next_slot, out_slots, in_meta, names)
 

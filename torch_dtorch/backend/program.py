@@ -340,8 +340,7 @@ def _count(loaded: _Loaded, t0: float) -> None:
 def _validate(worker: Worker, loaded: _Loaded, prog: LocalProgram, vals: list[Any]) -> KernelError | None:
     from torch_dtorch.runtime.op_runner import KernelIOError
 
-    outputs: Any = prog.graph.output_node().args[0]
-    results = [r for r in outputs if isinstance(r, torch.fx.Node)]  # the program's tensor outputs (out_slots)
+    results: Any = prog.graph.output_node().args[0]
     for i, s in enumerate(prog.out_slots):
         if s is None:
             continue

@@ -14,9 +14,10 @@ What is adapted (nothing in diffusers is edited):
 Mesh axes (by name): ``"cfg"`` shards the classifier-free-guidance batch (SD3 runs the conditional and
 unconditional halves in one batch); ``"cp"`` shards the joint image + text sequence (``ExecuteConfig.cp_mode``:
 ``"ulysses"`` or ``"ring"``; ``"both"`` on two axes ``"ulysses"`` and ``"ring"``); ``"tp"`` shards attention heads
-and MLP hidden units. The attention of FLUX and SD3 is *joint*: text and image tokens are concatenated along the
-sequence before attention, so the placement planner turns the sequence shards into head shards there (one
-all-to-all each for q, k, v) and every device attends over the whole joint sequence with ``1/n`` of the heads.
+and MLP hidden units. The attention of FLUX and SD3 is *joint*: text and image tokens, both sequence-sharded, are
+concatenated along the sequence before attention; the communicating ``cat`` keeps the joint sequence sharded, so
+the context-parallel attention runs the axis's mode (ring: K/V blocks rotate, each device keeps ``1/n`` of the
+sequence; Ulysses: ``1/n`` of the heads). A hook returns every block's outputs to the sequence shard.
 """
 
 from __future__ import annotations
@@ -238,8 +239,10 @@ class _Runner:
             if fam.embed_module is None:
                 for a in plan.cp:
                     pl[a] = Shard(1)
-        if plan.cp and name == "encoder_hidden_states" and x.shape[1] % plan.cp_size == 0:
-            for a in plan.cp:  # text tokens that do not split stay replicated
+        if plan.cp and name == "encoder_hidden_states":
+            for a in (
+                plan.cp
+            ):  # text tokens too (uneven shards are exact): the joint cat keeps the sequence sharded
                 pl[a] = Shard(1)
         return pl
 
@@ -270,6 +273,38 @@ def _shard_sequence_after(module: nn.Module, plan: MeshPlan) -> None:
         return out
 
     module.register_forward_hook(hook)
+
+
+#: the transformer's block lists whose outputs go back to the sequence shard (FLUX: both; SD3: the first)
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+
+
+def _keep_sequence_sharded(transformer: nn.Module, plan: MeshPlan) -> None:
+    """Every block's ``[B, tokens, D]`` outputs back on the sequence shard of every CP axis.
+
+    Inside a block, the attention output is split into its text and image parts along the sharded sequence; the
+    planner moves that shard to another dim first — the batch when it divides the axis — and the rest of the block
+    follows. Without this hook the next block would start batch-sharded and its attention would split the batch
+    instead of ringing; with it every block's joint attention sees the sequence sharded (a no-op at batch 1)."""
+    key = mesh_key(plan.mesh)
+
+    def seq(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.ndim < 2 or not is_dtorch(t):
+            return t
+        if torch.compiler.is_compiling():
+            for a in plan.cp:
+                t = place(t, key, a, "S(1)", what="transformer block output (context parallel)")
+            return t
+        cur = list(t.placements)  # type: ignore[attr-defined]
+        want = [Shard(1) if a in plan.cp else p for a, p in enumerate(cur)]
+        return t if want == cur else t.redistribute(plan.mesh, want)  # type: ignore[attr-defined]
+
+    def hook(mod: nn.Module, args: Any, out: Any) -> Any:
+        return tuple(seq(t) for t in out) if isinstance(out, tuple) else seq(out)
+
+    for name in _BLOCK_LISTS:
+        for block in getattr(transformer, name, None) or ():
+            block.register_forward_hook(hook)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -400,6 +435,8 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
         runner.compiled = torch.compile(runner.base_forward, backend=dtorch_backend, options=options)
     if family.embed_module is not None and plan.cp:
         _shard_sequence_after(transformer.get_submodule(family.embed_module), plan)
+    if plan.cp:
+        _keep_sequence_sharded(transformer, plan)
     transformer._dtorch_runner = runner
     transformer.__class__ = _mesh_class(base)
     log.info(

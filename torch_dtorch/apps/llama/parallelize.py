@@ -12,7 +12,8 @@ out on a mesh whose axis names say what is parallel.
   The logits come back to the first stage, where ``generate`` keeps its tokens.
 - ``cp``: the sequence of a prefill (``input_ids`` ``Shard(1)``); attention runs as Ulysses (all-to-all over heads),
   ring (blockwise with online softmax, causal load balanced) or both (``cp_mode``). Rotary positions are global, so
-  RoPE needs no change. The KV cache the prefill writes is sequence-sharded; the first decode step's
+  RoPE needs no change. The KV cache the prefill writes is sequence-sharded (HF's first write,
+  ``torch.cat([torch.tensor([]), keys])``, skips the empty tensor as torch does); the first decode step's
   ``torch.cat`` gathers it (decode steps, one token each, run replicated on ``cp``).
 
 The input hook on the model puts ``input_ids`` / ``attention_mask`` / ``position_ids`` (plain torch tensors,
@@ -23,7 +24,6 @@ unbound ``t.to("dtorch")`` values, or dtorch tensors) in these placements on the
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from torch_dtorch.api import distribute_tensor, redistribute
-from torch_dtorch.apps.llama.cache import keep_prefill_placements, new_cache
 from torch_dtorch.apps.llama.validation import check_layout, cp_mesh
 from torch_dtorch.device.dispatch import operand_of
 from torch_dtorch.device.state import get_session
@@ -166,7 +165,7 @@ def parallelize_llama(
         axes=dict(zip(names, work.shape, strict=True)),
     )
     model.dtorch_layout = layout  # type: ignore[assignment]
-    model.register_forward_pre_hook(_input_hook(layout, model), with_kwargs=True)
+    model.register_forward_pre_hook(_input_hook(layout), with_kwargs=True)
     model.register_forward_hook(_output_hook(layout), with_kwargs=True)
     generate = getattr(model, "generate", None)
     if callable(generate):
@@ -228,12 +227,7 @@ def _place(t: Any, layout: LlamaLayout, *, batch_dim: int, seq_dim: int | None, 
     return redistribute(t, mesh, want)
 
 
-def _input_hook(layout: LlamaLayout, model: nn.Module) -> Any:
-    # transformers 5.2x names the cache ``cache`` (``past_key_values`` before, deprecated since)
-    params = inspect.signature(model.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    config: Any = model.config
-
+def _input_hook(layout: LlamaLayout) -> Any:
     def hook(
         mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -245,11 +239,6 @@ def _input_hook(layout: LlamaLayout, model: nn.Module) -> Any:
         if main is None:
             main = kwargs.get("inputs_embeds")
         prefill = isinstance(main, torch.Tensor) and main.ndim >= 2 and main.shape[1] > 1
-        use_cache = kwargs.get("use_cache")
-        if kwargs.get(cache_kw) is None and (config.use_cache if use_cache is None else use_cache):
-            kwargs[cache_kw] = new_cache(config)  # what the model would make, adapted below
-        if kwargs.get(cache_kw) is not None:
-            keep_prefill_placements(kwargs[cache_kw])
         for name, (batch_dim, seq_dim) in _INPUTS.items():
             if kwargs.get(name) is not None:
                 kwargs[name] = _place(

@@ -16,8 +16,10 @@ FAMILIES = (
     "view",
     "view_scatter",
     "shape",
+    "cat",
     "normalization",
     "attention",
+    "attention_backward",
     "embedding",
     "creation",
     "misc",
@@ -32,6 +34,7 @@ FAMILIES = (
     "quantized",
     "fused",
     "foreach",
+    "sampling",
 )
 
 for _name in FAMILIES:

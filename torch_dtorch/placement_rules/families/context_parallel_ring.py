@@ -231,11 +231,13 @@ def ring_attention(
     causal: bool,
     mask: torch.Tensor | None,
     mask_row_off: int,
+    lse_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Ring attention over ``devices`` (a group of one: plain blockwise attention on the local rows).
 
     Blocks are split into runs of consecutive positions, so a causal zig-zag block computes only its visible
-    (query run, key run) pairs: fully masked pairs are skipped, fully visible ones need no mask."""
+    (query run, key run) pairs: fully masked pairs are skipped, fully visible ones need no mask. ``lse_out``: a list
+    that receives the rows' float32 log-sum-exp ``[..., L]`` (``-inf`` for a row that sees no key)."""
     n = len(devices)
     nxt, prv = devices[(me + 1) % n], devices[(me - 1) % n]
     qruns = runs(qpos)
@@ -275,12 +277,16 @@ def ring_attention(
     if q.ndim >= 3 and v.ndim >= 3 and vlead[-1] not in (1, heads):
         vlead[-1] = heads
     lead = torch.broadcast_shapes(q.shape[:-2], torch.Size(vlead))
-    parts = []
+    parts, lses = [], []
     for (_, ql), acc in zip(qruns, accs, strict=True):
         if acc is None:
             parts.append(torch.zeros(*lead, ql, v.shape[-1], dtype=q.dtype, device=q.device))
+            lses.append(torch.full((*lead, ql), float("-inf"), device=q.device))
         else:
             parts.append(acc[0].to(q.dtype))
+            lses.append(acc[1].squeeze(-1).expand(*lead, ql))
+    if lse_out is not None:
+        lse_out.append(torch.cat(lses, dim=-1) if lses else torch.zeros(*lead, 0, device=q.device))
     if not parts:
         return torch.zeros(*lead, 0, v.shape[-1], dtype=q.dtype, device=q.device)
     return torch.cat(parts, dim=-2)

@@ -98,7 +98,10 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 def draw_global(
-    call: OpCall, ctx: LocalContext, draw: Callable[[torch.Generator], torch.Tensor]
+    call: OpCall,
+    ctx: LocalContext,
+    draw: Callable[[torch.Generator], torch.Tensor],
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """``draw(gen)`` generates the GLOBAL random tensor from ``gen``; returns it as the single-device op would.
 
@@ -106,10 +109,12 @@ def draw_global(
     the call under a lock), using a private generator, so ranks that share a process (and its default generator)
     draw identical global tensors. The first rank leaves the default generator where the global draw left it — as
     if torch had run the op once — and later ranks do not touch it. A rank that runs the same call object again
-    starts a new draw from the then current state.
+    starts a new draw from the then current state. ``generator``: the call's own generator (a ``generator=``
+    argument, thread mode: the workers share the controller's process) instead of the default one.
     """
     device = ctx.torch_device if ctx.torch_device is not None else torch.get_default_device()
-    default = _default_generator(device)
+    default = generator if generator is not None else _default_generator(device)
+    device = default.device
     key = str(device)
     with _RNG_LOCK:
         records: dict[str, Any] | None = call.random_draws

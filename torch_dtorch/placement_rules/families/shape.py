@@ -1,10 +1,7 @@
 """Shape family: ops that rearrange or combine whole tensors into a fresh output (no aliasing).
 
 Signatures (one mesh axis; ``P`` is any Partial the inputs carry):
-- ``cat``: every input ``S(d)`` -> ``S(d)`` for each dim ``d`` other than the cat dim (all inputs share those
-  sizes, so their chunks line up); all inputs the same ``P`` -> ``P``. Concatenating along a sharded dim is not
-  local: no signature (the matcher moves or gathers the shard). Legacy 1-d empty inputs disable the Shard
-  signatures.
+- ``cat``: its own module, ``cat.py`` (local signatures and a communicating one along the sharded cat dim).
 - ``stack``: every input ``S(d)`` -> ``S(d)`` below the new dim, ``S(d + 1)`` at or after it; all ``P`` -> ``P``.
 - ``flip`` / ``roll``: ``S(d) -> S(d)`` for dims not flipped / rolled (``roll`` without ``dims`` rolls the flattened
   tensor: no Shard signature); ``P -> P``.
@@ -62,16 +59,6 @@ def _ndim(call: OpCall) -> int:
     return x.ndim if x is not None else 0
 
 
-@_shape_rule(aten.cat.default)
-def cat(call: OpCall) -> list[PlacementSignature]:
-    """Shards on every dim but the cat dim; all-Partial stays Partial."""
-    nd = call.out_ndim
-    if any(x is None or x.ndim != nd for x in call.inputs):
-        return _joined(call, [])
-    dim = norm_dim(call.arg("dim"), nd)
-    return _joined(call, [(d, d) for d in range(nd) if d != dim])
-
-
 @_shape_rule(aten.stack.default)
 def stack(call: OpCall) -> list[PlacementSignature]:
     """Shard dims at or after the new dim move up by one; all-Partial stays Partial."""
@@ -115,6 +102,6 @@ def tril(call: OpCall) -> list[PlacementSignature]:
 
 
 SHAPE_OPS = [
-    aten.cat.default, aten.stack.default, aten.flip.default, aten.roll.default, aten.repeat.default,
+    aten.stack.default, aten.flip.default, aten.roll.default, aten.repeat.default,
     aten.tril.default, aten.triu.default,
 ]  # fmt: skip

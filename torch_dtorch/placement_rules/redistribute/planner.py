@@ -20,14 +20,15 @@ The planner searches (Dijkstra) over layouts in which every axis is at its sourc
 or Replicate, using only steps valid by these rules, for the plan that moves the fewest bytes; ties go to fewer
 steps, then to communication on later axes first and local steps on earlier axes first. Every layout is reachable
 (gather/reduce from the last axis to the first, then slice/zero-fill from the first to the last), so planning only
-fails for invalid requests. Plans depend only on placements and mesh shape and are cached.
+fails for invalid requests. Plans depend only on placements and mesh shape and are cached. Axes of size 1 never
+get a step (a change of placement there moves no byte).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 
@@ -224,7 +225,39 @@ def _order_key(step: AxisStep) -> tuple[int, int]:
 
 @lru_cache(maxsize=4096)
 def plan_on_mesh(mesh_shape: tuple[int, ...], src: Placements, dst: Placements) -> tuple[AxisStep, ...]:
-    """Cheapest valid steps from ``src`` to ``dst`` (root placements) on one mesh of ``mesh_shape``."""
+    """Cheapest valid steps from ``src`` to ``dst`` (root placements) on one mesh of ``mesh_shape``.
+
+    Axes of size 1 get no step: their only rank holds the whole tensor along them, so every placement there is the
+    same bytes (a gather, reduce or slice over a group of one is the identity). The steps are planned on the other
+    axes, with the size-1 axes already at their ``dst`` placements; a change on size-1 axes alone is a no-op plan."""
+    if src == dst:
+        return ()
+    keep = [a for a, n in enumerate(mesh_shape) if n > 1]
+    if len(keep) == len(mesh_shape):
+        return _plan_axes(mesh_shape, src, dst)
+    sub = _plan_axes(
+        tuple(mesh_shape[a] for a in keep), tuple(src[a] for a in keep), tuple(dst[a] for a in keep)
+    )
+
+    def full(pl: Placements) -> Placements:
+        out = list(dst)
+        for a, p in zip(keep, pl, strict=True):
+            out[a] = p
+        return tuple(out)
+
+    return tuple(
+        replace(
+            step,
+            axis=keep[step.axis],
+            placements_before=full(step.placements_before),
+            placements_after=full(step.placements_after),
+        )
+        for step in sub
+    )
+
+
+def _plan_axes(mesh_shape: tuple[int, ...], src: Placements, dst: Placements) -> tuple[AxisStep, ...]:
+    """:func:`plan_on_mesh` over every axis of ``mesh_shape`` (Dijkstra, see the module docstring)."""
     if src == dst:
         return ()
     options: list[list[Placement]] = []
