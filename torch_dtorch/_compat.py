@@ -183,6 +183,9 @@ def scaled_mm(
     scale_b: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``torch._scaled_mm`` (fp8 GEMM with scales; row-wise scales: ``scale_a [M, 1]``, ``scale_b [1, N]``)."""
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return torch._scaled_mm(
+        a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )

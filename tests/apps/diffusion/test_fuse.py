@@ -106,3 +106,14 @@ def test_every_option_together_equals_one_device(
     got = generate(pipe)
     assert cache_report(pipe).skipped == cache_report(ref).skipped == [1]  # type: ignore[union-attr]
     assert psnr(got, want) >= 90.0, psnr(got, want)
+
+
+@pytest.mark.parametrize("model", ["flux", "sd3"])
+def test_fused_ops_and_cache_with_ring_context_parallel(model: str, kernel_calls: Counter[str]) -> None:
+    """Ring CP keeps q/k sequence-sharded in the joint attention: the rotary rule slices its tables to each device's
+    positions; TeaCache at threshold 0 leaves the image as it is."""
+    mesh = dt.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    config = ExecuteConfig(cp_mode="ring", fuse=FuseConfig(), cache=CacheConfig(kind="tea", threshold=0.0))
+    pipe = parallelize_pipeline(tiny_pipeline(model), mesh, config)
+    assert psnr(generate(pipe), reference(model, 1)) >= 100.0
+    assert kernel_calls["modulate"] > 0 and (kernel_calls["rotary"] > 0) == (model == "flux")
