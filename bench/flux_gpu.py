@@ -17,12 +17,20 @@ Modes (each a fresh pipeline, one after the other, so only one set of weights is
   four ranks share one GPU, so this measures the overheads of a 4-way run (all-to-alls, four programs), not a
   speed-up; it holds four copies of the weights.
 
+Accelerations (``ExecuteConfig``, issue 22) add rows to every dtorch mode, cumulatively in this order (``--no-ladder``:
+only the row with all of them): ``--quant fp8|int8`` (quantized linears), ``--fuse`` (fused operators),
+``--cache-skip F`` (a First-Block Cache forced to skip the fraction ``F`` of the steps: with random weights a
+threshold means nothing, so the skip pattern is fixed; the distance is still computed every step). The baselines
+(``diffusers``, ``inductor``) stay bf16 and uncached. Targets on one H200: ``dtorch-compiled+fp8`` <= 0.80 x
+``inductor`` per step; ``--steps 28`` with fp8 + compile + a 50 % skip cache <= 1.5 s for the loop.
+
 Each mode runs ``--warmup`` untimed calls (compilation happens there) and ``--repeat`` timed calls; the table shows
 the median loop time, the time per step, and the ratio to ``inductor`` (target: ``dtorch-compiled`` <= 1.02).
 
     python bench/flux_gpu.py                           # FLUX.1-dev size, 1024x1024, 28 steps, every mode
     python bench/flux_gpu.py --model sd3               # SD3-medium size
     python bench/flux_gpu.py --modes inductor dtorch-compiled --layers 4 8
+    python bench/flux_gpu.py --modes inductor dtorch-compiled --quant fp8 --fuse --cache-skip 0.5
     python bench/flux_gpu.py --tiny                    # tiny widths on the CPU: checks that every path runs
 """
 
@@ -35,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,6 +79,43 @@ TINY = {
 TINY_VAE = {**VAE, "latent_channels": 4, "block_out_channels": (8, 8), "down_block_types": VAE["down_block_types"][:2],
             "up_block_types": VAE["up_block_types"][:2], "layers_per_block": 1, "norm_num_groups": 8}  # fmt: skip
 MODES = ("diffusers", "inductor", "dtorch", "dtorch-compiled", "ulysses4")
+BASELINES = ("diffusers", "inductor")
+
+
+class Row(NamedTuple):
+    """One timed configuration: a mode and the accelerations applied to it (dtorch modes only)."""
+
+    mode: str
+    quant: str | None = None
+    fuse: bool = False
+    cache_skip: float | None = None
+
+    @property
+    def name(self) -> str:
+        name = self.mode + (f"+{self.quant}" if self.quant else "") + ("+fuse" if self.fuse else "")
+        return name + (f"+cache{self.cache_skip:g}" if self.cache_skip else "")
+
+
+def rows(args: argparse.Namespace) -> list[Row]:
+    """The rows to time: each mode, and for dtorch modes the accelerations (cumulative with ``--ladder``)."""
+    steps: list[dict[str, Any]] = []
+    if args.quant:
+        steps.append({"quant": args.quant})
+    if args.fuse:
+        steps.append({"fuse": True})
+    if args.cache_skip:
+        steps.append({"cache_skip": args.cache_skip})
+    out = []
+    for mode in args.modes:
+        out.append(Row(mode))
+        if mode in BASELINES or not steps:
+            continue
+        acc: dict[str, Any] = {}
+        for i, step in enumerate(steps):
+            acc |= step
+            if args.ladder or i == len(steps) - 1:
+                out.append(Row(mode, **acc))
+    return out
 
 
 def _build(cls: Any, config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
@@ -141,7 +186,8 @@ def call_kwargs(
     return kw
 
 
-def prepare(mode: str, pipe: Any, args: argparse.Namespace) -> Any:
+def prepare(row: Row, pipe: Any, args: argparse.Namespace) -> Any:
+    mode = row.mode
     if mode == "diffusers":
         return pipe
     if mode == "inductor":
@@ -149,20 +195,30 @@ def prepare(mode: str, pipe: Any, args: argparse.Namespace) -> Any:
         return pipe
     import torch_dtorch as dt
     from torch_dtorch.apps.diffusion import ExecuteConfig, parallelize_pipeline
+    from torch_dtorch.apps.diffusion.config import CacheConfig, FuseConfig, QuantizeConfig
 
     n = 4 if mode == "ulysses4" else 1
     simulate = args.device == "cuda" and n > 1
     mesh = dt.init_device_mesh(args.device, (n,), mesh_dim_names=("cp",), simulate=simulate)
     compiled = mode in ("dtorch-compiled", "ulysses4")
-    return parallelize_pipeline(pipe, mesh, ExecuteConfig(cp_mode="ulysses", compile=compiled))
+    config = ExecuteConfig(
+        cp_mode="ulysses",
+        compile=compiled,
+        # fp8 on the CPU (--tiny) runs its float emulation: it checks the path, its time means nothing
+        quant=QuantizeConfig(kind=row.quant, allow_emulation=args.device != "cuda") if row.quant else None,  # type: ignore[arg-type]
+        fuse=FuseConfig() if row.fuse else None,
+        cache=CacheConfig(kind="fbc", force_skip=row.cache_skip) if row.cache_skip else None,
+    )
+    return parallelize_pipeline(pipe, mesh, config)
 
 
 def time_mode(
-    mode: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
-) -> tuple[list[float], torch.Tensor]:
+    row: Row, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[list[float], torch.Tensor, str]:
+    mode = row.name
     pipe = build_pipeline(args, device, dtype)
     kw = call_kwargs(pipe, args, device, dtype)
-    pipe = prepare(mode, pipe, args)
+    pipe = prepare(row, pipe, args)
     pipe.set_progress_bar_config(disable=True)
     sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = None
@@ -180,15 +236,21 @@ def time_mode(
         times.append(time.perf_counter() - t0)
     assert out is not None
     result = out.float().cpu()
+    skipped = ""
+    if row.cache_skip:
+        from torch_dtorch.apps.diffusion.cache import cache_report
+
+        report = cache_report(pipe)
+        skipped = "" if report is None else f"{len(report.skipped)}/{report.num_steps}"
     del pipe, kw, out
-    if mode not in ("diffusers", "inductor"):
+    if row.mode not in BASELINES:
         import torch_dtorch as dt
 
         dt.shutdown()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return times, result
+    return times, result, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +268,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-tokens", type=int, default=None, help="prompt tokens (default 512; 16 tiny)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per mode (compilation)")
     parser.add_argument("--repeat", type=int, default=2, help="timed calls per mode")
+    parser.add_argument(
+        "--quant", choices=("fp8", "int8"), default=None, help="+ quantized linears (dtorch modes)"
+    )
+    parser.add_argument("--fuse", action="store_true", help="+ fused operators (dtorch modes)")
+    parser.add_argument(
+        "--cache-skip",
+        type=float,
+        default=None,
+        metavar="F",
+        help="+ a step cache forced to skip this fraction",
+    )
+    parser.add_argument(
+        "--ladder",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one row per added acceleration (default) or only the row with all of them (--no-ladder)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.device = args.device or ("cpu" if args.tiny else "cuda")
@@ -221,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(1)
 
-    results: dict[str, tuple[list[float], torch.Tensor]] = {}
-    for mode in args.modes:
-        results[mode] = time_mode(mode, args, device, dtype)
+    results: dict[str, tuple[list[float], torch.Tensor, str]] = {}
+    for row in rows(args):
+        results[row.name] = time_mode(row, args, device, dtype)
     base_mode = "inductor" if "inductor" in results else next(iter(results))
     base = statistics.median(results[base_mode][0])
     ref = results[base_mode][1]
@@ -231,11 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{args.model} ({'tiny' if args.tiny else 'full size'}), {args.size}x{args.size}, {args.steps} steps, "
         f"{str(dtype).removeprefix('torch.')}, {args.device}; median of {args.repeat} timed calls"
     )
-    print(f"{'mode':<16} {'loop s':>9} {'ms/step':>9} {'vs ' + base_mode:>13} {'max |latent diff|':>18}")
-    for mode, (times, out) in results.items():
+    width = max(16, *(len(m) for m in results))
+    head = f"{'mode':<{width}} {'loop s':>9} {'ms/step':>9} {'vs ' + base_mode:>13} {'skipped':>8}"
+    print(f"{head} {'max |latent diff|':>18}")
+    for mode, (times, out, skipped) in results.items():
         t = statistics.median(times)
         diff = float((out - ref).abs().max())
-        print(f"{mode:<16} {t:>9.3f} {t / args.steps * 1e3:>9.1f} {t / base:>13.3f} {diff:>18.3g}")
+        line = f"{mode:<{width}} {t:>9.3f} {t / args.steps * 1e3:>9.1f} {t / base:>13.3f} {skipped or '-':>8}"
+        print(f"{line} {diff:>18.3g}")
     return 0
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "keep_composites_whole",
     "native_composite_check",
     "has_kernel_for_dispatch_key",
+    "scaled_mm",
     "setup_privateuse1_python_backend",
 ]
 
@@ -169,3 +170,19 @@ def keep_composites_whole(device_type: str, *, force: bool = False) -> Iterator[
             _KEEP_USERS -= 1
             if _KEEP_USERS == 0:
                 torch._ops.OpOverload.decompose = _ORIGINAL_DECOMPOSE  # type: ignore[method-assign]
+
+
+# --- quantized matmul (placement_rules/families/quantized.py) -----------------------------------------------------
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` (fp8 GEMM with scales; row-wise scales: ``scale_a [M, 1]``, ``scale_b [1, N]``)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)

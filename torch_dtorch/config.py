@@ -20,9 +20,9 @@
 | ``DTORCH_WORKER_IMPORTS`` | cluster mode: comma-separated modules every worker imports at start (custom rules, instruction handlers) | none |
 | ``DTORCH_SHM_THRESHOLD_BYTES`` | cluster mode: uploads/fetches at least this large use shared memory between local processes (when available) | ``1048576`` |
 | ``DTORCH_CUDA_IPC`` | cluster mode: ``0`` sends CUDA tensors between the controller and its local workers through shared memory instead of CUDA IPC handles | ``1`` |
-| ``DTORCH_HEARTBEAT_TIMEOUT_S`` | cluster mode: a worker silent this long is reported lost (``WorkerLostError``) | ``1.0`` |
+| ``DTORCH_HEARTBEAT_TIMEOUT_S`` | cluster mode: a worker silent this long is reported lost (``WorkerLostError``; a worker process that dies is reported at once) | ``5.0`` |
 | ``DTORCH_HANG_TIMEOUT_S`` | cluster mode: a worker busy on one op this long is reported hung (``WorkerHangError``) | ``600`` |
-| ``DTORCH_CONTROLLER_TIMEOUT_S`` | cluster mode: a worker whose controller is silent this long exits by itself | ``1.5`` |
+| ``DTORCH_CONTROLLER_TIMEOUT_S`` | cluster mode: a worker whose controller is silent this long exits by itself (at once when the controller dies) | ``10.0`` |
 | ``DTORCH_MEMORY_CHECK`` | ``0``: no memory pre-check of planned allocations (``torch_dtorch/executor/memory_check.py``, docs/reliability.md) | ``1`` |
 | ``DTORCH_MEMORY_MARGIN`` | the memory pre-check keeps this fraction of a device's free memory back; a larger allocation raises ``DeviceMemoryError`` before anything is sent | ``0.1`` |
 | ``DTORCH_WIRE_MAX_PAYLOAD_BYTES`` | cluster mode: the largest JSON payload frame a receiver parses (tensor bytes travel in other frames) | ``268435456`` |

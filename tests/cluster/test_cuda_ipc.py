@@ -1,4 +1,4 @@
-"""CUDA IPC between the controller and its local worker processes (``executor/cluster_ipc.py``).
+"""CUDA IPC between the controller and its local worker processes (``cluster/ipc.py``).
 
 On the CPU: the route decision (CPU tensors never take CUDA IPC, ``DTORCH_CUDA_IPC=0`` disables it, remote workers
 never get it), the checks of received handle fields, the wire round trip of a handle (no pickle) and the holding

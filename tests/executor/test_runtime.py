@@ -15,7 +15,7 @@ from tests.executor.conftest import MakeExecutor
 from torch_dtorch.placement import Shard
 from torch_dtorch.runtime import Blob, KernelError, KernelIOError, KernelStream
 from torch_dtorch.runtime import op_runner as kernel_module
-from torch_dtorch.runtime.op_runner import PoisonBoard
+from torch_dtorch.runtime.sticky import PoisonBoard
 
 aten = torch.ops.aten
 

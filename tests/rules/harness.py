@@ -126,6 +126,8 @@ def check_sample(
     outs = run_all_ranks(rule, kcall, plan.out_placements, local_inputs, mesh_shape)
     ref_args, ref_kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (sample.args, sample.kwargs))
     expected = op(*ref_args, **ref_kwargs)  # on clones: in-place ops must not touch the shared sample tensors
+    if expected is None and rule.writes_inputs:  # a list op in place (``_foreach_mul_``): the written list
+        expected = ref_args[0]
     expected_list = list(expected) if isinstance(expected, (list, tuple)) else [expected]
     expected_list = [e for e in expected_list if isinstance(e, torch.Tensor)]
     where = f"{op} on mesh {tuple(mesh_shape)} with inputs {[_fmt(p) for p in placements]}"

@@ -37,6 +37,7 @@ SAMPLES: dict[object, list[Sample]] = {
         Sample((rand(3, 6, 2, 3), None, None, 3, 6, 6, 3, 1e-5)),
     ],
     aten._softmax.default: [Sample((X, 1, False)), Sample((X, -1, False))],
+    aten._safe_softmax.default: [Sample((X, 1)), Sample((X, -1))],
     aten._log_softmax.default: [Sample((X, 0, False)), Sample((rand(7), 0, False))],
     aten.softmax.int: [Sample((X, -1)), Sample((X, 1, torch.float64))],
     aten.log_softmax.int: [Sample((X, 2)), Sample((X, 0), {"dtype": torch.float64})],

@@ -53,9 +53,12 @@ def capture(
     fw_compiler: Callable[[fx.GraphModule, list[Any]], Any],
     *,
     decompositions: Sequence[Any] = (),
+    bw_compiler: Callable[[fx.GraphModule, list[Any]], Any] | None = None,
 ) -> Any:
-    """Run ``aot_autograd`` (inference) over dynamo's graph; ``fw_compiler(aten_gm, fake_inputs)`` builds the callable
-    that runs the aten graph. Returns aot's runtime wrapper (which handles input mutations and output aliases)."""
+    """Run ``aot_autograd`` over dynamo's graph; ``fw_compiler(aten_gm, fake_inputs)`` builds the callable that runs
+    the (forward) aten graph. With ``bw_compiler`` (training, :mod:`~torch_dtorch.backend.training`) aot traces the
+    joint graph and partitions it: ``bw_compiler`` builds the backward graph's callable. Returns aot's runtime
+    wrapper (which handles input mutations, output aliases and, in training, the ``autograd.Function``)."""
 
     def no_backward(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         raise NotImplementedError(
@@ -75,7 +78,7 @@ def capture(
             gm,
             list(example_inputs),
             fw_compiler=fw_compiler,
-            bw_compiler=no_backward,
+            bw_compiler=bw_compiler if bw_compiler is not None else no_backward,
             decompositions=decomposition_table(decompositions),
         )
 

@@ -30,6 +30,7 @@ from torch_dtorch.backend.call_key import CallKeyMemo, fast_key
 from torch_dtorch.backend.capture import format_aten_graph
 from torch_dtorch.backend.local import LocalProgram, build_local_program
 from torch_dtorch.backend.options import CompileOptions, check_cudagraph_devices
+from torch_dtorch.backend.place_grad import GradPlacements, OutTarget
 from torch_dtorch.backend.program import LoadProgram, RunProgram, UnloadProgram
 from torch_dtorch.backend.propagate import InputSpec, Propagated, UnsupportedGraphError, propagate
 from torch_dtorch.backend.report import CompileReport
@@ -111,8 +112,14 @@ class CompiledGraph:
         options: CompileOptions,
         backend: str,
         debug: bool = False,
+        records: GradPlacements | None = None,
+        grad_targets: GradPlacements | None = None,
     ) -> None:
+        """``records`` (a training forward graph): told the variant of every call; ``grad_targets`` (its backward
+        graph): asked where each output (a gradient) must end (:mod:`~torch_dtorch.backend.place_grad`)."""
         self.gm = gm
+        self.records = records
+        self.grad_targets = grad_targets
         self.options = options
         self.backend = backend
         self.debug = debug
@@ -121,6 +128,8 @@ class CompiledGraph:
         self.plain = not any(x.device.type == DEVICE_NAME for x in tensors)
         self.device_type = tensors[0].device.type if tensors and self.plain else "cpu"
         self.num_inputs = len(fake_inputs)
+        results = gm.graph.output_node().args[0]
+        self.num_outputs = len(results) if isinstance(results, (list, tuple)) else 1
         self.eager_reason: str | None = None
         if any(not isinstance(s, int) for x in tensors for s in x.shape):
             self.eager_reason = "symbolic (dynamic) shapes; pass dynamic=False to torch.compile"
@@ -148,6 +157,8 @@ class CompiledGraph:
 
     def _run(self, rt: Session, variant: _Variant, in_ids: list[int], args: list[Any]) -> list[Any]:
         pid = variant.program_id
+        if self.records is not None:
+            self.records.record(variant.prop.inputs, self.num_inputs)
         in_ids.extend(variant.constant_ids)
         ins = tuple(in_ids)
         outs = rt.executor.append_with_outputs(
@@ -171,10 +182,11 @@ class CompiledGraph:
             return list(self.gm(*args))
         rt = get_session()
         operands = self._operands(rt, args)
-        key = (rt.generation, tuple((x.mesh, x.placements) for x in operands))
+        targets = self.grad_targets.targets(self.num_outputs) if self.grad_targets is not None else None
+        key = (rt.generation, tuple((x.mesh, x.placements) for x in operands), targets)
         variant = self._variants.get(key)
         if variant is None:
-            variant = self._compile(rt, key, operands)
+            variant = self._compile(rt, key, operands, targets)
             if variant is None:
                 return list(self.gm(*args))
         hot = fast_key(rt.generation, args)
@@ -231,7 +243,13 @@ class CompiledGraph:
         return operands  # type: ignore[return-value]
 
     # --- compiling a variant ------------------------------------------------------------------------------------
-    def _compile(self, rt: Session, key: Any, operands: list[Operand]) -> _Variant | None:
+    def _compile(
+        self,
+        rt: Session,
+        key: Any,
+        operands: list[Operand],
+        targets: tuple[OutTarget | None, ...] | None = None,
+    ) -> _Variant | None:
         with self._lock:
             hit = self._variants.get(key)
             if hit is not None:
@@ -242,7 +260,9 @@ class CompiledGraph:
             mesh = next(x.mesh for x in operands if x.mesh is not None)
             specs = [InputSpec(x.shape, x.dtype, x.mesh, x.placements) for x in operands]
             try:
-                prop = propagate(self.gm, specs, mesh=mesh, policy=self.options.redistribute)
+                prop = propagate(
+                    self.gm, specs, mesh=mesh, policy=self.options.redistribute, out_targets=targets
+                )
             except UnsupportedGraphError as e:
                 log.warning("%s: running this graph eagerly on dtorch tensors: %s", self.backend, e)
                 self.eager_reason = str(e)

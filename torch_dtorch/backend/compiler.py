@@ -11,6 +11,7 @@ from torch import fx
 from torch_dtorch.backend.capture import capture, needs_grad
 from torch_dtorch.backend.compiled import CompiledGraph
 from torch_dtorch.backend.options import CompileOptions, CompileOptionsError
+from torch_dtorch.backend.training import compile_training
 
 __all__ = ["compile_graph"]
 
@@ -33,13 +34,8 @@ def compile_graph(
             "options={'worker_compiler': 'inductor', 'cudagraphs': True} instead"
         )
     opts = CompileOptions.parse(options, backend=backend)
-    if needs_grad(example_inputs):
-        raise NotImplementedError(
-            f"torch.compile(backend={backend!r}): inputs require grad with grad mode on, so aot_autograd would "
-            "trace a backward graph, which the dtorch backend does not support yet. Run the compiled model under "
-            "torch.no_grad() / torch.inference_mode() (or model.requires_grad_(False)); for training use the model "
-            "eagerly on dtorch tensors"
-        )
+    if needs_grad(example_inputs):  # training: a forward and a backward program (backend/training.py)
+        return compile_training(gm, example_inputs, options=opts, backend=backend, debug=debug)
     compiled: list[CompiledGraph] = []
 
     def fw_compiler(aten_gm: fx.GraphModule, fake_inputs: list[Any]) -> CompiledGraph:

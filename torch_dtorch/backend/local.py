@@ -290,7 +290,9 @@ def build_local_program(
         else:
             node.meta.update(local=_local_meta(op.outputs[0], device), label=op.outputs[0].name)
             env[op.outputs[0].id] = node
-    results = tuple(env.get(o.id) if isinstance(o, Operand) else None for o in prop.outputs)
+    # one entry per tensor output, as a call's out ids (``None``: not held by this rank, e.g. another pipeline
+    # stage's); plain values (a backward graph's ``None`` gradients) are no outputs of the program
+    results = tuple(env.get(o.id) for o in prop.outputs if isinstance(o, Operand))
     g.output(results)
     g.lint()
     return _split(g, device, len(prop.inputs), tuple(in_meta), names)

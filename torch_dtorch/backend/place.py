@@ -13,6 +13,10 @@ Run eagerly (``dtorch_debug``, a graph that falls back to eager execution), the 
   ``strict`` raises :class:`PlacementError` instead of converting.
 - ``axis == -1``: a pipeline stage move to root mesh ``mesh``: placements kept when both meshes have the same shape,
   else Replicate.
+
+Training (``torch.compile`` with ``requires_grad`` inputs) differentiates through it: the gradient of ``place(x)``
+is ``torch.ops.dtorch.place_as(grad, x)``, which puts the gradient in ``x``'s layout (a ``Partial`` there becomes
+``Replicate``, as upstream's ``Redistribute`` backward does) — decided at propagation like ``place`` itself.
 """
 
 from __future__ import annotations
@@ -24,9 +28,18 @@ import torch
 
 from torch_dtorch.errors import PlacementError
 from torch_dtorch.mesh import DeviceMesh
-from torch_dtorch.placement import Placement, Replicate, Shard, parse_placements, placements_str
+from torch_dtorch.placement import Placement, Replicate, Shard, is_partial, parse_placements, placements_str
 
-__all__ = ["PLACE_OP", "STAGE_MOVE", "mesh_key", "mesh_of", "place", "place_target"]
+__all__ = [
+    "PLACE_AS_OP",
+    "PLACE_OP",
+    "STAGE_MOVE",
+    "mesh_key",
+    "mesh_of",
+    "place",
+    "place_as_target",
+    "place_target",
+]
 
 STAGE_MOVE = -1
 
@@ -119,6 +132,54 @@ def _place_fake(
 
 
 PLACE_OP = torch.ops.dtorch.place.default
+
+
+def place_as_target(
+    mesh: DeviceMesh | None,
+    root_placements: Sequence[Placement],
+    like_mesh: DeviceMesh | None,
+    like: Sequence[Placement],
+) -> tuple[DeviceMesh, list[Placement]] | None:
+    """Where ``place_as`` moves a gradient on ``mesh`` to: ``like``'s root mesh and root placements, a ``Partial``
+    made ``Replicate`` (``None``: already there, or unbound)."""
+    if mesh is None or like_mesh is None:
+        return None
+    want = [Replicate() if is_partial(p) else p for p in like]
+    if mesh.root == like_mesh.root and list(root_placements) == want:
+        return None
+    return like_mesh.root, want
+
+
+@torch.library.custom_op("dtorch::place_as", mutates_args=())
+def _place_as_op(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    from torch_dtorch.api import redistribute
+    from torch_dtorch.device.dispatch import operand_of
+
+    g, x = operand_of(grad), operand_of(like)
+    tgt = place_as_target(g.mesh, g.root_placements, x.mesh, x.root_placements)
+    if tgt is None:
+        return grad.clone()
+    return redistribute(grad, tgt[0], tgt[1])
+
+
+@_place_as_op.register_fake
+def _place_as_fake(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+PLACE_AS_OP = torch.ops.dtorch.place_as.default
+
+
+def _place_setup(ctx: object, inputs: tuple[object, ...], output: object) -> None:
+    ctx.save_for_backward(inputs[0])  # type: ignore[attr-defined]
+
+
+def _place_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+    return PLACE_AS_OP(grad, x), None, None, None, None, None
+
+
+_place_op.register_autograd(_place_backward, setup_context=_place_setup)
 
 
 def place(

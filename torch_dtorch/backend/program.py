@@ -34,8 +34,9 @@ from torch_dtorch.backend.local import (
     build_local_program,
 )
 from torch_dtorch.executor.worker import Worker, register_instruction
-from torch_dtorch.runtime import op_runner as _kernel_mod
+from torch_dtorch.runtime import op_runner
 from torch_dtorch.runtime.blob import Blob, KernelError
+from torch_dtorch.runtime.sticky import StickyCall, call_hooks, kernel_error
 from torch_dtorch.runtime.stream import COMPUTE
 
 __all__ = ["LoadProgram", "ProgramStats", "RunProgram", "UnloadProgram", "loaded_program", "program_stats"]
@@ -215,24 +216,16 @@ def _run(worker: Worker, instr: RunProgram) -> None:
         for oid in instr.out_ids:
             worker.blobs[oid] = Blob(error=loaded.error)
         return
-    hooks_before, hooks_after = _kernel_mod.before_hooks, _kernel_mod.after_hooks
-    for h in list(hooks_before):
-        _safe_hook(h, instr, worker.device)
+    if op_runner.before_hooks:
+        call_hooks(op_runner.before_hooks, instr, worker.device)
     stream = worker.stream
     if stream is not None and stream.is_cuda:
         with stream.use(COMPUTE):
             _execute(worker, loaded, instr)
     else:
         _execute(worker, loaded, instr)
-    for h in list(hooks_after):
-        _safe_hook(h, instr, worker.device)
-
-
-def _safe_hook(h: Any, instr: Any, device: int) -> None:
-    try:
-        h(instr, device)
-    except Exception:  # noqa: BLE001 - a broken hook must not break the worker
-        log.exception("kernel hook %r failed", h)
+    if op_runner.after_hooks:
+        call_hooks(op_runner.after_hooks, instr, worker.device)
 
 
 def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
@@ -241,7 +234,7 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
     blobs = worker.blobs
     dev = worker.torch_device
     vals: list[Any] = [None] * prog.num_slots
-    err: KernelError | None = None
+    call = StickyCall(board=worker.op_runner.board, key=instr.out_ids[0] if instr.out_ids else None)
     in_blobs: list[Blob] = []
     for i, oid in enumerate(instr.in_ids):
         meta = prog.in_meta[i]
@@ -249,15 +242,17 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
             continue
         b = blobs.get(oid)
         if b is None:
-            err = err or KernelError(
-                loaded.name,
-                worker.device,
-                f"input {i} (operand %{oid}) has no data on this worker (never uploaded or computed, or freed)",
-                call_site=instr.call_site,
+            call.fail(
+                KernelError(
+                    loaded.name,
+                    worker.device,
+                    f"input {i} (operand %{oid}) has no data on this worker (never uploaded or computed, or freed)",
+                    call_site=instr.call_site,
+                )
             )
             vals[i] = _zeros(meta, dev)
         elif b.error is not None:
-            err = err or b.error
+            call.fail(b.error)
             vals[i] = _zeros(meta, dev)
         else:
             vals[i] = b.tensor
@@ -265,14 +260,12 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
     stream = worker.stream
     if stream is not None and stream.is_cuda:
         stream.wait_for(in_blobs, COMPUTE)
-    board = worker.op_runner.board
-    key = instr.out_ids[0] if instr.out_ids else None
-    posted = False
+    key = call.key
     fns = loaded.fns
     for index, step in enumerate(prog.steps):
         if type(step) is Segment:
             outs: Any = None
-            if err is None:
+            if call.error is None:
                 args = [vals[s] for s in step.in_slots]
                 try:
                     fn = fns[index]
@@ -285,18 +278,15 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
                         # get their own copies (the first, compiling call's too) and the graph replays in place
                         outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
                 except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
-                    err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site,
-                                      detail=f"in compute segment {index}")  # fmt: skip
-                    err.__cause__ = e
-            if err is not None:
+                    call.fail(kernel_error(e, op=loaded.name, device=worker.device, call_site=instr.call_site,
+                                           detail=f"in compute segment {index}"))  # fmt: skip
+            if call.error is not None:
                 outs = [_zeros(m, dev) for m in step.out_meta]
             for s, v in zip(step.out_slots, outs):
                 vals[s] = v
         else:  # a collective or a kernel that communicates: this rank takes part even after an error
             assert isinstance(step, (CollectiveStep, KernelStep))
-            if err is not None and board is not None and key is not None and not posted:
-                board.post(key, err)  # before the step: receivers are ordered after it
-                posted = True
+            call.before_comm()  # receivers are ordered after the post
             kernel = type(step) is KernelStep
             try:  # on zeros after an error: the peers wait for this rank's messages
                 if isinstance(step, KernelStep):
@@ -306,24 +296,26 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
                 else:
                     y = _collective(worker, step, vals[step.in_slot] if step.in_slot is not None else None)
             except Exception as e:  # noqa: BLE001
-                if err is None:
-                    detail = f"in {step.note}" if kernel else f"plan: {step.note}"
-                    err = KernelError(loaded.name, worker.device, e, call_site=instr.call_site, detail=detail)
-                    err.__cause__ = e
+                detail = f"in {step.note}" if kernel else f"plan: {step.note}"
+                call.fail(
+                    kernel_error(
+                        e, op=loaded.name, device=worker.device, call_site=instr.call_site, detail=detail
+                    )
+                )
                 y = _zeros_like_meta(step.out_meta, dev) if kernel else _zeros(step.out_meta, dev)
             vals[step.out_slot] = y
         for r in step.release:
             vals[r] = None
-    if err is None and board is not None and key is not None and prog.num_collectives:
-        err = board.get(key)
-    if err is None and worker.op_runner.validate:
-        err = _validate(worker, loaded, prog, vals)  # type: ignore[assignment]
+    if prog.num_collectives:
+        call.after_comm()
+    if call.error is None and worker.op_runner.validate and (bad := _validate(worker, loaded, prog, vals)):
+        call.fail(bad)
+    if call.poison(blobs, [oid for oid, slot in zip(instr.out_ids, prog.out_slots) if slot is not None]):
+        _count(loaded, t0)
+        return
     new: list[Blob] = []
     for oid, out_slot in zip(instr.out_ids, prog.out_slots):
         if out_slot is None:
-            continue
-        if err is not None:
-            blobs[oid] = Blob(error=err)
             continue
         v = vals[out_slot]
         if v is None:
@@ -336,6 +328,10 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
         blobs[oid] = b
     if stream is not None and new:
         stream.stamp(new, COMPUTE)
+    _count(loaded, t0)
+
+
+def _count(loaded: _Loaded, t0: float) -> None:
     stats = loaded.stats
     stats.calls += 1
     stats.seconds += time.thread_time() - t0

@@ -13,7 +13,8 @@ from torch import fx
 
 from torch_dtorch._tree import any_leaf, map_only
 from torch_dtorch.backend.local import ProgramSource
-from torch_dtorch.backend.place import PLACE_OP, place_target
+from torch_dtorch.backend.place import PLACE_AS_OP, PLACE_OP, place_as_target, place_target
+from torch_dtorch.backend.place_grad import OutTarget, place_output
 from torch_dtorch.config import RedistributePolicy
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.executor.constructor import GraphConstructor
@@ -152,14 +153,25 @@ def _place(con: GraphConstructor, moved: dict[tuple[Any, ...], Operand], x: Any,
     return y
 
 
+def _place_as(con: GraphConstructor, g: Any, like: Any) -> Any:
+    """``dtorch::place_as``: the gradient ``g`` moved to ``like``'s layout (``Partial`` there: ``Replicate``)."""
+    if not isinstance(g, Operand) or not isinstance(like, Operand):
+        raise UnsupportedGraphError("dtorch::place_as on a non-tensor, expected two tensor operands")
+    tgt = place_as_target(g.mesh, g.root_placements, like.mesh, like.root_placements)
+    return g if tgt is None else con.redistribute(g, tgt[1], device_mesh=tgt[0])
+
+
 def propagate(
     gm: fx.GraphModule,
     inputs: Sequence[InputSpec],
     *,
     mesh: DeviceMesh,
     policy: RedistributePolicy | None = None,
+    out_targets: Sequence[OutTarget | None] | None = None,
 ) -> Propagated:
-    """Record ``gm`` on operands with the given input layouts; returns the LogicalGraph and its boundary."""
+    """Record ``gm`` on operands with the given input layouts; returns the LogicalGraph and its boundary.
+    ``out_targets`` (a training backward graph, :mod:`~torch_dtorch.backend.place_grad`): the layout each output
+    must end in, redistributed inside the program."""
     graph = LogicalGraph()
     con = GraphConstructor(graph, default_mesh=mesh, policy=policy)
     env: dict[fx.Node, Any] = {}
@@ -214,6 +226,8 @@ def propagate(
                 env[node] = args[0][args[1]]
             elif node.target is PLACE_OP:
                 env[node] = _place(con, moved, *args)
+            elif node.target is PLACE_AS_OP:  # the backward of ``place`` (training)
+                env[node] = _place_as(con, *args)
             elif isinstance(node.target, torch._ops.OpOverload):
                 env[node] = con.call(node.target, *args, **kwargs)
             else:
@@ -224,6 +238,8 @@ def propagate(
         elif node.op == "output":
             outs = bind_all(fx.node.map_arg(node.args[0], env.__getitem__), None)
             outputs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            if out_targets is not None and len(out_targets) == len(outputs):
+                outputs = [place_output(con, y, t) for y, t in zip(outputs, out_targets, strict=True)]
         else:
             raise UnsupportedGraphError(f"{node.format_node()}: FX node kind {node.op!r} is not supported")
     return Propagated(graph, mesh, in_operands, constants, outputs)

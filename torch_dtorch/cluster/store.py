@@ -35,7 +35,7 @@ from torch_dtorch.collectives.errors import TensorStoreError, TensorStoreTimeout
 from torch_dtorch.collectives.shm_store import ShmTensorStore
 from torch_dtorch.collectives.store import MemoryTensorStore, StoreKey, TensorStore
 from torch_dtorch.runtime.blob import KernelError
-from torch_dtorch.runtime.op_runner import PoisonBoard
+from torch_dtorch.runtime.sticky import PoisonBoard
 
 __all__ = ["ControllerStore", "Route", "StorePoisonBoard", "WorkerStore", "choose_route", "tensor_route"]
 

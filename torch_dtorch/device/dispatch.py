@@ -12,7 +12,7 @@ from torch_dtorch._tree import map_only
 from torch_dtorch.device import binding
 from torch_dtorch.device.state import Session, _free_callback, get_session
 from torch_dtorch.device.tensors import DEVICE_NAME, TABLE, is_dtorch
-from torch_dtorch.errors import AsStridedError, DTorchError, PlacementMismatchError
+from torch_dtorch.errors import AsStridedError, DTorchError, PlacementError, PlacementMismatchError
 from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.placement import Replicate, is_partial, is_replicate
 from torch_dtorch.placement_rules import OpCall, get_rule
@@ -116,7 +116,8 @@ def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 return wrap(rt, binding.defer_factory(rt, op, args, kwargs, metas[0]))
         mesh = binding.fallback_mesh(rt, str(op))
     else:
-        if binding.current_mesh() is None and rt.last_mesh is None and get_rule(op).output_is_input is None:
+        in_place = get_rule(op).output_is_input is not None or get_rule(op).writes_inputs
+        if binding.current_mesh() is None and rt.last_mesh is None and not in_place:
             # only unbound (small, controller-made) inputs and no mesh in sight yet — e.g. a cache's
             # ``torch.tensor([], device=x.device)`` while dynamo traces: compute it here, still unbound
             host = _on_host(rt, op, args, kwargs)
@@ -129,12 +130,21 @@ def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     rt.last_mesh = mesh
     try:
         out = rt.executor.call(op, *args, device_mesh=None if operands else mesh, **kwargs)
-    except PlacementMismatchError:
-        functional = _inplace_fallback_of(op, operands)
+    except (PlacementMismatchError, PlacementError) as e:
+        if get_rule(op).op_by_op_fallback:  # a list op no list signature fits: torch's per-tensor kernel
+            log.debug("%s: op by op (%s)", op, str(e).splitlines()[0])
+            return op.redispatch(_COMPOSITE_EXPLICIT, *original_args, **original_kwargs)
+        functional = _inplace_fallback_of(op, operands) if isinstance(e, PlacementMismatchError) else None
         if functional is None:
             raise
         return _inplace_via_copy(op, functional, original_args, original_kwargs)
     rule = get_rule(op)
+    if rule.writes_inputs:  # a list op in place: the caller's tensors are the result (the op returns nothing)
+        for t, x, y in zip(_first_list(original_args, original_kwargs), operands, out, strict=False):
+            if x.mesh is None:  # an unbound tensor was materialized: it now stands for the write
+                rebind(rt, t, y)
+                binding.forget(x)
+        return None
     written = rule.output_is_input
     if written is not None:  # in-place: the caller's tensor is the result
         target = original_args[written]
@@ -146,6 +156,15 @@ def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return target
     view = rule.view_of is not None and not getattr(original_args[0], "is_inference", lambda: True)()
     return map_only(Operand, lambda o: wrap(rt, o, view=view), out)
+
+
+_COMPOSITE_EXPLICIT = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _first_list(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The tensor list an in-place list op writes (its ``self``)."""
+    first = args[0] if args else kwargs.get("self", [])
+    return list(first)
 
 
 def _inplace_fallback_of(op: Any, operands: list[Operand]) -> Any | None:

@@ -60,13 +60,16 @@ def layout_of(x: Operand) -> int:
 
 
 class _Template:
+    """A learned fast-path template: ``plan`` is the :class:`FastPlan` a hit replays (built from the call's
+    ``OpPlan``, the ``op_plan`` argument), with the output layouts and the slots a hit fills."""
+
     __slots__ = ("plan", "out_layouts", "mesh", "owner", "skeleton", "operand_slots", "const_slots", "tail")
 
     def __init__(
         self,
         rule: OpRule,
         call: OpCall,
-        plan: Any,
+        op_plan: Any,
         moved: list[int],
         outputs: list[Operand],
         mesh: Any,
@@ -74,14 +77,14 @@ class _Template:
         owner: FastOp,
         targs: list[Any],
     ) -> None:
-        targets = plan.match.in_targets
+        targets = op_plan.match.in_targets
         assert call.mesh is not None or not moved
         moves = tuple(
             (i, slot_pos[i], redistribute_spec(call.inputs[i], call.mesh, targets[i]))  # type: ignore[arg-type]
             for i in moved
         )
-        out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(plan.out_meta, outputs, strict=True))
-        self.plan = FastPlan(rule, call, targets, out_specs, plan.assign, plan.cost, moves)
+        out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(op_plan.out_meta, outputs, strict=True))
+        self.plan = FastPlan(rule, call, targets, out_specs, op_plan.assign, op_plan.cost, moves)
         self.out_layouts = tuple(layout_of(o) for o in outputs)
         self.mesh = mesh  # the mesh of the first tensor input (the runtime's "last mesh" after the call)
         self.owner = owner
@@ -221,7 +224,15 @@ class FastOp:
         if len(self.cache) >= _TEMPLATES_PER_OP:
             self.cache.clear()
         tpl = self.cache[key] = _Template(
-            rule, call, plan, moved, outputs, first.mesh, self.slot_pos, self, targs
+            rule,
+            call,
+            op_plan=plan,
+            moved=moved,
+            outputs=outputs,
+            mesh=first.mesh,
+            slot_pos=self.slot_pos,
+            owner=self,
+            targs=targs,
         )
         _LEARNED.tpl = tpl
         stats["recorded"] += 1

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from torch_dtorch._compat import is_fake_tensor
 from torch_dtorch.device import autograd
 from torch_dtorch.device.autograd import full_tensor_with_grad
 from torch_dtorch.device.dispatch import operand_of
@@ -83,7 +84,7 @@ _ORIGINAL_REPR: Any = None
 
 
 def _repr(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
-    if not is_dtorch(self):
+    if not is_dtorch(self) or is_fake_tensor(self):  # a fake (tracing) tensor has no value to fetch
         return _ORIGINAL_REPR(self, *args, **kwargs)
 
     value = repr(fetch(self)).removeprefix("tensor(").removesuffix(")")

@@ -161,6 +161,14 @@ class GraphConstructor:
             assert written is not None
             _check_write_reaches_base(op, written)
             outputs = [written]
+        elif (
+            rule.writes_inputs
+        ):  # list ops in place (``_foreach_add_``): the outputs are the first input slots
+            outputs = []
+            for written in inputs[: len(plan.out_meta)]:
+                assert written is not None
+                _check_write_reaches_base(op, written)
+                outputs.append(written)
         else:
             outputs = [
                 self._new_output(meta, pl, call, mesh_for_out, rule.view_of, inputs)
@@ -183,7 +191,7 @@ class GraphConstructor:
             for i in moved:
                 if (x := inputs[i]) is not None and i in sizes:
                     guard.track(x.id, sizes[i])
-            if rule.view_of is None and rule.output_is_input is None:
+            if rule.view_of is None and rule.output_is_input is None and not rule.writes_inputs:
                 for k, y in enumerate(outputs):
                     guard.track(y.id, sizes.get(-1 - k, {}))
         self.last_call = (op, call, rule, plan, moved, outputs, inputs)
@@ -212,7 +220,12 @@ class GraphConstructor:
                 if x is not None and target is not None:
                     per = sizes[i] = shard_bytes(x.shape, x.dtype, root, target)
                     labels.append((f"copy of input {x.name} as {placements_str(target)}", per))
-        if mesh_for_out is not None and rule.view_of is None and rule.output_is_input is None:
+        if (
+            mesh_for_out is not None
+            and rule.view_of is None
+            and rule.output_is_input is None
+            and not rule.writes_inputs
+        ):
             root = mesh_for_out.root
             for k, (meta, pl) in enumerate(zip(plan.out_meta, plan.out_placements, strict=True)):
                 per = sizes[-1 - k] = shard_bytes(meta.shape, meta.dtype, root, pl)

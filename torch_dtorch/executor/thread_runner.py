@@ -17,7 +17,7 @@ import torch
 
 from torch_dtorch.executor.instructions import Instruction
 from torch_dtorch.executor.worker import Worker
-from torch_dtorch.runtime.op_runner import PoisonBoard
+from torch_dtorch.runtime.sticky import PoisonBoard
 from torch_dtorch.runtime.stream import KernelStream
 
 __all__ = ["ThreadRunner"]

@@ -30,8 +30,9 @@ from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.native_replay import NativeChain
 from torch_dtorch.runtime.native_replay import extension as native_extension
 from torch_dtorch.runtime.native_replay import release as release_handles
-from torch_dtorch.runtime.op_runner import OpRunner, PoisonBoard, kernel_hooks
+from torch_dtorch.runtime.op_runner import OpRunner, kernel_hooks
 from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
+from torch_dtorch.runtime.sticky import PoisonBoard
 from torch_dtorch.runtime.stream import COMPUTE, KernelStream
 
 __all__ = ["Worker", "declare_worker_module", "register_instruction", "worker_modules"]

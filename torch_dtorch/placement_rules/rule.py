@@ -75,6 +75,14 @@ class OpRule:
     pinned_inputs: tuple[int, ...] = ()
     #: the output IS input slot ``output_is_input`` (in-place ops), not a new value
     output_is_input: int | None = None
+    #: the outputs ARE the first ``len(out_meta)`` input slots, written in place (``_foreach_*_`` list ops)
+    writes_inputs: bool = False
+    #: when no signature fits (or the inputs span several meshes), the device runs torch's own
+    #: CompositeExplicitAutograd kernel instead, which calls the per-tensor op on each element (list ops)
+    op_by_op_fallback: bool = False
+    #: the all-Replicate signature joins :meth:`signatures` automatically (a rule that always returns a reachable
+    #: signature may turn it off, so that a cheaper-looking gather of everything never competes)
+    auto_replicate: bool = True
     ops: tuple[Any, ...] = ()
 
     # --- the skeleton ---------------------------------------------------------------------------------------------
@@ -88,7 +96,7 @@ class OpRule:
         """The fixed skeleton. ``prefer_outputs`` asks for given output placements (factories with
         ``placements=``): among matching signatures the one producing them wins, and if none does it is an error."""
         policy = policy if policy is not None else get_config().redistribute
-        key = _plan_key(call, policy, prefer_outputs)
+        key = _plan_key(call, policy, prefer_outputs, self)
         if key is not None:
             hit = _PLAN_CACHE.get(key)
             if hit is not None:
@@ -98,9 +106,9 @@ class OpRule:
         call.out_meta = self.infer_meta(call)
         sigs = list(self.signatures(call))
         n_in, n_out = len(call.inputs), len(call.out_meta)
-        if not any(s.is_all_replicate and len(s.inputs) == n_in for s in sigs):
+        if self.auto_replicate and not any(s.is_all_replicate and len(s.inputs) == n_in for s in sigs):
             sigs.append(all_replicate(n_in, n_out))
-        m = match(call, sigs, policy, prefer_outputs=prefer_outputs, pinned=self.pinned_inputs)
+        m = match(call, sigs, policy, prefer_outputs=prefer_outputs, pinned=self.pinned_for(call))
         plan = OpPlan(call.out_meta, m, self.assign(call), self.cost(call))
         if key is not None:
             if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
@@ -134,6 +142,16 @@ class OpRule:
             raise ShapeError(f"{call.op}: shape inference failed: {e}\n  arguments:\n{described}") from e
         outs = out if isinstance(out, (list, tuple)) else (out,)
         return [TensorMeta.of(t) for t in outs if isinstance(t, torch.Tensor)]
+
+    def pinned_for(self, call: OpCall) -> Sequence[int]:
+        """Input slots this call must not redistribute (default: :attr:`pinned_inputs`)."""
+        return self.pinned_inputs
+
+    def constants_key(self, call: OpCall) -> Any:
+        """The plan cache's key for the non-tensor arguments (default: all of them). A rule whose plan does not
+        depend on some constant (a list op's per-tensor scalars, which change every optimizer step) leaves it out,
+        so that the call plans once."""
+        return (_const_key(call.args), _const_key(call.kwargs))
 
     def localize(self, call: OpCall, ctx: LocalContext) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Args/kwargs of the local kernel on one rank (operands stay in place; the runtime swaps in shards).
@@ -236,15 +254,16 @@ def _const_key(v: Any) -> Any:
 
 
 def _plan_key(
-    call: OpCall, policy: RedistributePolicy, prefer: tuple[Placements, ...] | None
+    call: OpCall, policy: RedistributePolicy, prefer: tuple[Placements, ...] | None, rule: OpRule
 ) -> tuple[Any, ...] | None:
-    """Plans depend only on the op, the inputs' metadata and placements, the mesh and the non-tensor args."""
+    """Plans depend only on the op, the inputs' metadata and placements, the mesh and the non-tensor args (the
+    rule's :meth:`OpRule.constants_key`)."""
     try:
         slots = tuple(
             None if x is None else (x.shape, x.stride, x.dtype, pl)
             for x, pl in zip(call.inputs, call.placements, strict=True)
         )
-        return (call.op, call.mesh, slots, _const_key(call.args), _const_key(call.kwargs), policy, prefer)
+        return (call.op, call.mesh, slots, rule.constants_key(call), policy, prefer)
     except TypeError:  # an unhashable argument: plan without caching
         return None
 

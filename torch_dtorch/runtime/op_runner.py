@@ -4,10 +4,11 @@ A kernel fetches the operator's local input blobs, computes — the rule's local
 :func:`~torch_dtorch.placement_rules.ranks.run_rank` runs it (:func:`~torch_dtorch.runtime.local.run_rank`) for ops, the collectives of a plan through
 :func:`~torch_dtorch.collectives.redistribute.execute_plan` for redistributes — and stores the output blobs.
 
-Errors are sticky: an exception poisons the outputs with a :class:`KernelError`; an operator with a poisoned input
-poisons its outputs without running. A redistribute still takes part in its collectives with zeros of the right local
-shape (so peers never hang), then poisons its output; with a shared :class:`PoisonBoard` (thread mode) every rank
-that received data from a poisoned rank poisons its output too, so no replica silently holds zeros.
+Errors are sticky (the protocol of ``runtime/sticky.py``, shared with the compiled backend's programs): an exception
+poisons the outputs with a :class:`KernelError`; an operator with a poisoned input poisons its outputs without
+running. A redistribute or communicating kernel still takes part in its collectives with zeros of the right local
+shape (so peers never hang), then poisons its output; through the runner's poison board every rank that received
+data from a poisoned rank poisons its output too, so no replica silently holds zeros.
 
 ``DTORCH_VALIDATE_KERNEL_IO=1`` checks every local output's shape, dtype and device against the operand's inferred
 metadata and raises :class:`KernelIOError` (sticky like any kernel error).
@@ -19,7 +20,6 @@ slow workers down or to count; the trace exporter will use them).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
@@ -33,9 +33,10 @@ from torch_dtorch.placement_rules.ranks import local_context
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.local import kernel_needs_comm, local_shape, run_rank
 from torch_dtorch.runtime.replay import LocalCall
+from torch_dtorch.runtime.sticky import PoisonBoard, StickyCall, call_hooks, kernel_error, poison
 from torch_dtorch.runtime.stream import COMM, COMPUTE, KernelStream
 
-__all__ = ["OpRunner", "KernelIOError", "PoisonBoard", "after_hooks", "before_hooks", "kernel_hooks"]
+__all__ = ["OpRunner", "KernelIOError", "after_hooks", "before_hooks", "kernel_hooks"]
 
 log = logging.getLogger(__name__)
 
@@ -54,33 +55,6 @@ def kernel_hooks() -> bool:
 class KernelIOError(KernelError):
     """A local kernel produced an output whose shape, dtype or device differs from the inferred metadata
     (raised with ``DTORCH_VALIDATE_KERNEL_IO=1``, and always for a redistribute input of the wrong shape)."""
-
-
-class PoisonBoard:
-    """Redistribute outputs poisoned on some rank, shared by the workers of one process (thread mode).
-
-    A rank with a poisoned input posts *before* it enters the collectives, and every rank looks *after* leaving
-    them: whoever received data from the poisoned rank (directly or through another rank) is ordered after the post
-    by the collectives themselves, so it sees it. Entries are only made on errors; the oldest are dropped beyond
-    ``capacity``.
-    """
-
-    def __init__(self, *, capacity: int = 4096) -> None:
-        self._errors: OrderedDict[int, KernelError] = OrderedDict()
-        self._capacity = capacity
-
-    def post(self, operand_id: int, error: KernelError) -> None:
-        self._errors.setdefault(operand_id, error)
-        while len(self._errors) > self._capacity:
-            try:
-                self._errors.popitem(last=False)
-            except KeyError:
-                break
-
-    def get(self, operand_id: int) -> KernelError | None:
-        if not self._errors:
-            return None
-        return self._errors.get(operand_id)
 
 
 class _MeshInfo:
@@ -188,55 +162,47 @@ class OpRunner:
 
     # --- operators ----------------------------------------------------------------------------------------------
     def run_op(self, node: Operator, *, instr: Any = None, call_site: str | None = None) -> None:
-        """Run one (non-redistribute) operator: ``node.payload`` is a ``BoundOp`` (rule + call)."""
+        """Run one (non-redistribute) operator: ``node.payload`` is a ``BoundOp`` (rule + call). Errors follow
+        the sticky protocol of ``runtime/sticky.py``."""
         if before_hooks:
-            _call_hooks(before_hooks, instr if instr is not None else node, self.device)
+            call_hooks(before_hooks, instr if instr is not None else node, self.device)
         blobs = self.blobs
+        call = StickyCall(board=self.board, key=node.outputs[0].id if node.outputs else None)
         ins: list[Blob | None] = []
-        err: KernelError | None = None
         for x in node.inputs:
             if x is None:
                 ins.append(None)
                 continue
             b = blobs.get(x.id)
             if b is None:
-                err = self._missing(node, x, call_site)
+                call.fail(self._missing(node, x, call_site))
                 break
-            if b.error is not None:
-                err = b.error
+            if b.error is not None:  # a poisoned input: no compute
+                call.fail(b.error)
                 break
             ins.append(b)
-        comm = node.payload is not None and kernel_needs_comm(node.payload.call)
-        if err is None:
+        if call.error is None:
             try:
                 self._compute(node, ins, call_site)
-            except KernelError as e:
-                err = e
             except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
-                err = KernelError(node.name, self.device, e, call_site=call_site)
-                err.__cause__ = e
-            if comm and err is None and self.board is not None and node.outputs:
-                err = self.board.get(node.outputs[0].id)  # a peer joined on zeros (below)
-            elif comm and err is not None:
-                self._join_on_zeros(node, err, call_site)  # the kernel failed here, maybe halfway through
-        elif comm:
-            self._join_on_zeros(node, err, call_site)
-        if err is not None:
-            log.debug("worker %d: %s poisoned: %s", self.device, node.name, err.op)
-            poisoned = Blob(error=err)
-            for o in node.outputs:
-                blobs[o.id] = poisoned
+                call.fail(kernel_error(e, op=node.name, device=self.device, call_site=call_site))
+        if node.payload is not None and kernel_needs_comm(node.payload.call):
+            if call.error is None:
+                call.after_comm()  # a peer joined on zeros (below)
+            else:
+                self._join_on_zeros(node, call, call_site)  # maybe the kernel failed halfway through
+        if call.poison(blobs, [o.id for o in node.outputs]):
+            log.debug("worker %d: %s poisoned: %s", self.device, node.name, call.error)
         if after_hooks:
-            _call_hooks(after_hooks, instr if instr is not None else node, self.device)
+            call_hooks(after_hooks, instr if instr is not None else node, self.device)
 
-    def _join_on_zeros(self, node: Operator, err: KernelError, call_site: str | None) -> None:
+    def _join_on_zeros(self, node: Operator, call: StickyCall, call_site: str | None) -> None:
         """A communicating kernel (context-parallel attention, a norm over a sharded dim) whose input is poisoned on
         this rank, or which failed here, runs (again) on zeros of the right local shapes: its peers wait for this
         rank's messages and must never hang. The error is posted first, so the peers (which receive after it)
         poison their outputs too. Messages a failed first attempt left behind carry this call's tag
         (``LocalContext.seq``), so no later call takes them for its own."""
-        if self.board is not None and node.outputs:
-            self.board.post(node.outputs[0].id, err)
+        call.before_comm()
         zeros: list[Blob | None] = [
             None if x is None else Blob(self._zeros(self.local_shape(x), x.dtype, COMPUTE))
             for x in node.inputs
@@ -322,53 +288,47 @@ class OpRunner:
                 outs = local_call.run(local)
             self._store(op, outs, outputs, call_site)
         except Exception as e:  # noqa: BLE001 - becomes the outputs' sticky error
-            err = (
-                e
-                if isinstance(e, KernelError)
-                else KernelError(op_name(op), self.device, e, call_site=call_site)
-            )
-            if err is not e:
-                err.__cause__ = e
-            poisoned = Blob(error=err)
-            for o in outputs:
-                self.blobs[o.id] = poisoned
+            err = kernel_error(e, op=op_name(op), device=self.device, call_site=call_site)
+            poison(self.blobs, [o.id for o in outputs], err)
 
     def run_redistribute(self, node: Operator, *, instr: Any = None, call_site: str | None = None) -> None:
-        """Run this rank's part of a redistribute (``node.payload`` is the ``RedistributePlan``)."""
+        """Run this rank's part of a redistribute (``node.payload`` is the ``RedistributePlan``); a rank whose
+        input is poisoned takes part on zeros (the sticky protocol of ``runtime/sticky.py``)."""
         if before_hooks:
-            _call_hooks(before_hooks, instr if instr is not None else node, self.device)
+            call_hooks(before_hooks, instr if instr is not None else node, self.device)
         x = node.inputs[0]
         y = node.outputs[0]
         assert x is not None
         plan = node.payload
-        err: KernelError | None = None
+        call = StickyCall(board=self.board, key=y.id)
         b: Blob | None = None
         local: torch.Tensor | None = None
         if self.holds(x):
             expected = self.local_shape(x)
             b = self.blobs.get(x.id)
             if b is None:
-                err = self._missing(node, x, call_site)
+                call.fail(self._missing(node, x, call_site))
             elif b.error is not None:
-                err = b.error
+                call.fail(b.error)
             else:
                 assert b.tensor is not None
                 got = b.tensor
                 if tuple(got.shape) != expected or got.dtype != x.dtype:
-                    err = KernelIOError(
-                        node.name,
-                        self.device,
-                        f"input {x.name} holds {_describe(got)} but {x.placements_str} on this rank needs "
-                        f"{_dtype(x.dtype)}{list(expected)}",
-                        call_site=call_site,
-                        detail="the operator that produced it returned a wrong local shape (see its rule's localize)",
+                    call.fail(
+                        KernelIOError(
+                            node.name,
+                            self.device,
+                            f"input {x.name} holds {_describe(got)} but {x.placements_str} on this rank needs "
+                            f"{_dtype(x.dtype)}{list(expected)}",
+                            call_site=call_site,
+                            detail="the operator that produced it returned a wrong local shape (see its rule's "
+                            "localize)",
+                        )
                     )
-            if err is not None:
-                # take part anyway with zeros of the right shape, so that peers never wait forever
+            if call.error is not None:
                 b = None
                 local = self._zeros(expected, x.dtype, COMM)
-                if self.board is not None:
-                    self.board.post(y.id, err)
+                call.before_comm()
             else:
                 assert b is not None
                 local = b.tensor
@@ -389,25 +349,27 @@ class OpRunner:
             else:
                 out = self.execute_plan(plan, local, device=self.device, comm=self.comm)
         except Exception as e:  # noqa: BLE001 - becomes the output's sticky error
-            if err is None:
-                err = KernelError(node.name, self.device, e, call_site=call_site, detail=f"plan: {node.note}")
-                err.__cause__ = e
-                if self.board is not None:
-                    self.board.post(y.id, err)
-        if self.holds(y):
-            if err is None and self.board is not None:
-                err = self.board.get(y.id)
-            if err is None and out is None:
-                err = KernelError(
-                    node.name, self.device, "the redistribute produced no local tensor on this rank"
+            call.fail(
+                kernel_error(
+                    e, op=node.name, device=self.device, call_site=call_site, detail=f"plan: {node.note}"
                 )
-            if err is None and self.validate:
+            )
+            call.before_comm()
+        if self.holds(y):
+            call.after_comm()
+            if call.error is None and out is None:
+                call.fail(
+                    KernelError(
+                        node.name, self.device, "the redistribute produced no local tensor on this rank"
+                    )
+                )
+            if call.error is None and self.validate:
                 assert out is not None
                 try:
                     self.check_output(node.name, 0, out, y, call_site)
                 except KernelIOError as e:
-                    err = e
-            if err is None:
+                    call.fail(e)
+            if not call.poison(self.blobs, [y.id]):
                 assert out is not None
                 blob = Blob(out)
                 if self.stream is not None:
@@ -416,10 +378,8 @@ class OpRunner:
                     # allocator hands its memory to the next comm-stream allocation while that reader still runs
                     self.stream.stamp([blob], COMM)
                 self.blobs[y.id] = blob
-            else:
-                self.blobs[y.id] = Blob(error=err)
         if after_hooks:
-            _call_hooks(after_hooks, instr if instr is not None else node, self.device)
+            call_hooks(after_hooks, instr if instr is not None else node, self.device)
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tensor:
         if self.stream is None:
@@ -463,14 +423,6 @@ class OpRunner:
             f"input {x.name} has no data on this worker (never uploaded or computed here, or already freed)",
             call_site=call_site,
         )
-
-
-def _call_hooks(hooks: Sequence[Hook], instr: Any, device: int) -> None:
-    for h in list(hooks):
-        try:
-            h(instr, device)
-        except Exception:  # noqa: BLE001 - a broken hook must not break the worker
-            log.exception("kernel hook %r failed", h)
 
 
 def _dtype(dtype: torch.dtype) -> str:

@@ -1,4 +1,4 @@
-"""Heartbeat: death, stop, hang and controller-loss detection (DESIGN.md section 4, issue 4)."""
+"""Heartbeat: death, stop, hang and controller-loss detection (docs/reliability.md, docs/cluster.md)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ deterministic noise); ``--model-path DIR`` loads a diffusers-format folder from 
 output or a downloaded snapshot). Example::
 
     dtorch diffuse --model flux --mesh cp=2 --steps 4 --height 64 --width 64 --prompt "a red fox" --out demo.png
+    dtorch diffuse --mesh tp=2 --steps 8 --cache fbc:0.12 --quant int8 --fuse    # accelerations (ExecuteConfig)
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weights and activations")
     p.add_argument("--vae-tiling", action="store_true", help="decode the latents tile by tile")
+    p.add_argument(
+        "--cache",
+        metavar="KIND[:THRESHOLD]",
+        default=None,
+        help="step cache: fbc:0.12 (First-Block Cache) or tea:0.25 (TeaCache); 0 computes every step",
+    )
+    p.add_argument(
+        "--quant",
+        choices=("fp8", "int8"),
+        default=None,
+        help="quantized linears: fp8 (CUDA, compute capability >= 8.9) or int8 (weight-only, anywhere)",
+    )
+    p.add_argument(
+        "--fuse",
+        action="store_true",
+        help="fused operators (rotary, adaLN modulate, silu-linear, linear-GELU)",
+    )
     p.add_argument("--steps", type=int, default=4, help="denoising steps (default 4)")
     p.add_argument("--height", type=int, default=64)
     p.add_argument("--width", type=int, default=64)
@@ -88,14 +106,22 @@ def main(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
     import torch_dtorch as dt
-    from torch_dtorch.apps.diffusion.config import ExecuteConfig
+    from torch_dtorch.apps.diffusion.cache import cache_report
+    from torch_dtorch.apps.diffusion.config import CacheConfig, ExecuteConfig, FuseConfig, QuantizeConfig
     from torch_dtorch.apps.diffusion.parallelize import parallelize_pipeline, plan_mesh
     from torch_dtorch.errors import PipelineParallelError
     from torch_dtorch.mesh import DeviceMesh
 
     names, sizes = tuple(args.mesh), tuple(args.mesh.values())
     try:
-        config = ExecuteConfig(cp_mode=args.cp_mode, compile=args.compile, vae_tiling=args.vae_tiling)
+        config = ExecuteConfig(
+            cp_mode=args.cp_mode,
+            compile=args.compile,
+            vae_tiling=args.vae_tiling,
+            cache=CacheConfig.parse(args.cache) if args.cache else None,
+            quant=QuantizeConfig(kind=args.quant) if args.quant else None,
+            fuse=FuseConfig() if args.fuse else None,
+        )
         plan_mesh(
             DeviceMesh.from_shape(args.device, sizes, mesh_dim_names=names), config
         )  # before any worker
@@ -150,12 +176,17 @@ def main(args: argparse.Namespace) -> int:
         f"dtorch diffuse: {args.model}{' (tiny random)' if args.model_path is None else ''} "
         f"{args.height}x{args.width}, mesh {mesh_str} ({args.mode}, {args.device}), cp_mode {args.cp_mode}, "
         f"compile {args.compile}"
+        + "".join(f", {k} {v}" for k, v in (("cache", args.cache), ("quant", args.quant)) if v)
+        + (", fused ops" if args.fuse else "")
     )
     if steps:
         print(
             f"  steps: {len(steps)}, first {steps[0]:.3f} s, median {statistics.median(steps):.3f} s per step; "
             f"whole call {total:.3f} s; load + parallelize {t_load:.3f} s"
         )
+    report = cache_report(pipe)
+    if report is not None:
+        print(f"  {report}")
     print(f"  wrote {args.out}")
     dt.shutdown()
     return 0

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import torch_dtorch as dt
+from torch_dtorch.apps.diffusion.accelerate import apply_accelerations, compiles_whole_forward
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
 from torch_dtorch.backend import dtorch_backend
 from torch_dtorch.backend.place import mesh_key, place
@@ -419,6 +420,7 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
     if config.vae_tiling and getattr(pipe, "vae", None) is not None:
         pipe.vae.enable_tiling()
     transformer.eval()
+    apply_accelerations(pipe, transformer, plan.mesh, config)  # quantization, fused ops, step cache
     _distribute_transformer(transformer, plan)
     base = type(transformer)
     runner = _Runner(
@@ -428,7 +430,7 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
         base_forward=base.forward.__get__(transformer),  # type: ignore[attr-defined]
         patch_size=int(getattr(transformer.config, "patch_size", 1)),
     )
-    if config.compile:
+    if compiles_whole_forward(config):  # a step cache compiles its blocks itself
         options = config.compile_options(mesh.device_type)
         runner.compiled = torch.compile(runner.base_forward, backend=dtorch_backend, options=options)
     if family.embed_module is not None and plan.cp:

@@ -1,10 +1,10 @@
-"""gRPC bidirectional heartbeat between the controller and its workers (DESIGN.md section 4).
+"""gRPC bidirectional heartbeat between the controller and its workers (docs/cluster.md, docs/reliability.md).
 
 * :class:`HeartbeatMonitor` (controller): detects dead workers (:class:`WorkerLostError`, within
-  ``DTORCH_HEARTBEAT_TIMEOUT_S``, default 1 s; at once when the process dies) and hung ones
+  ``DTORCH_HEARTBEAT_TIMEOUT_S``, default 5 s; at once when the process dies) and hung ones
   (:class:`WorkerHangError`, busy on one op longer than ``DTORCH_HANG_TIMEOUT_S``, default 600 s).
 * :class:`HeartbeatClient` (worker): beats from its own threads; exits the worker (or calls a callback) when the
-  controller goes away for ``DTORCH_CONTROLLER_TIMEOUT_S`` (default 1.5 s).
+  controller goes away for ``DTORCH_CONTROLLER_TIMEOUT_S`` (default 10 s; at once when its stream breaks).
 """
 
 from __future__ import annotations

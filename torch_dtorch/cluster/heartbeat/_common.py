@@ -10,16 +10,18 @@ from torch_dtorch.cluster.heartbeat.errors import HeartbeatError
 log = logging.getLogger("torch_dtorch.cluster.heartbeat")
 
 ENV_DEATH_TIMEOUT = "DTORCH_HEARTBEAT_TIMEOUT_S"
-"""Silence (seconds) after which the controller declares a worker dead. Default 1.0."""
+"""Silence (seconds) after which the controller declares a worker dead. Default 5 (a process that dies is
+noticed at once, when its stream breaks; silence only means a stopped, frozen or partitioned worker)."""
 ENV_HANG_TIMEOUT = "DTORCH_HANG_TIMEOUT_S"
 """Seconds a live worker may stay busy on one op before the controller reports a hang. Default 600."""
 ENV_CONTROLLER_TIMEOUT = "DTORCH_CONTROLLER_TIMEOUT_S"
-"""Silence (seconds) after which a worker declares its controller gone and exits. Default 1.5."""
+"""Silence (seconds) after which a worker declares its controller gone and exits. Default 10 (a controller that
+dies breaks the stream: its workers leave at once)."""
 
 DEFAULT_INTERVAL_S = 0.1
-DEFAULT_DEATH_TIMEOUT_S = 1.0
+DEFAULT_DEATH_TIMEOUT_S = 5.0
 DEFAULT_HANG_TIMEOUT_S = 600.0
-DEFAULT_CONTROLLER_TIMEOUT_S = 1.5
+DEFAULT_CONTROLLER_TIMEOUT_S = 10.0
 
 # Keep connections responsive and never let gRPC silently hold a broken one open.
 CHANNEL_OPTIONS: list[tuple[str, int]] = [

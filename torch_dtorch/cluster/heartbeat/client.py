@@ -5,7 +5,7 @@ The worker's main thread may sit in a long kernel or an inductor compile; the be
 worker is never mistaken for a dead one. The main thread only calls :meth:`HeartbeatClient.set_state` around
 each op, which is what the controller's hang timeout measures.
 
-If the controller's stream breaks or its beats stop for ``controller_timeout_s`` (default 1.5 s, env
+If the controller's stream breaks or its beats stop for ``controller_timeout_s`` (default 10 s, env
 ``DTORCH_CONTROLLER_TIMEOUT_S``), ``on_controller_lost`` is called once; the default logs and calls
 ``os._exit(3)`` so orphaned workers go away by themselves.
 """

@@ -1,6 +1,6 @@
 """Controller side of the gRPC heartbeat: a server that watches every worker's beat stream.
 
-Two independent failure detectors (DESIGN.md section 4):
+Two independent failure detectors (docs/reliability.md):
 
 * death: the worker's stream breaks (process killed, connection reset) or no beat arrives for
   ``death_timeout_s`` (process stopped, host frozen, partition) -> :class:`WorkerLostError`;

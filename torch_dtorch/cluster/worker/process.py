@@ -1,4 +1,4 @@
-"""The worker process of cluster mode (:class:`WorkerProcess`); its command line is in :mod:`.worker_main`.
+"""The worker process of cluster mode (:class:`WorkerProcess`); its command line is in :mod:`.cli`.
 
 Start-up: read the cluster secret (``--secret-fd``, an inherited pipe, for local workers; ``--secret-file`` for
 remote ones), send a signed ``JOIN`` to the controller's control endpoint and wait for its ``WELCOME`` (endpoints and
@@ -20,7 +20,7 @@ not taken for its death: exit code 0), when the controller goes away (heartbeat)
 Tensors of at least ``shm_threshold`` bytes travel through the controller's shared-memory store when the
 ``WELCOME`` names one (local workers only): the signed message then carries the key, the bytes go through a file in
 a private (0700) directory under ``/dev/shm``; CUDA tensors of that size travel as CUDA IPC handles when the
-``WELCOME`` says ``cuda_ipc`` (:mod:`.cluster_ipc`: this process copies uploads onto its GPU, and holds the fetched
+``WELCOME`` says ``cuda_ipc`` (:mod:`torch_dtorch.cluster.ipc`: this process copies uploads onto its GPU, and holds the fetched
 values it shares until the controller acknowledged its copy).
 """
 
@@ -33,20 +33,30 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import zmq
 
-from torch_dtorch.cluster.heartbeat import HeartbeatClient
+from torch_dtorch.cluster.codec import BatchDecoder
 from torch_dtorch.cluster.heartbeat.client import exit_on_controller_lost
+from torch_dtorch.cluster.ipc import CudaFetchWorker, WorkerIpc, is_ipc_body
 from torch_dtorch.cluster.protocol import DEFAULT_START_TIMEOUT_S, EXIT_ERROR, EXIT_OK
-from torch_dtorch.cluster.transport import MessageKind, Pusher, Subscriber, TransportError
+from torch_dtorch.cluster.store import StorePoisonBoard, WorkerStore, value_body, value_from_body
+from torch_dtorch.cluster.transport import MessageKind, Subscriber, TransportError
 from torch_dtorch.cluster.transport.errors import SequenceError
 from torch_dtorch.cluster.transport.rejects import RejectLog
 from torch_dtorch.cluster.transport.tempdirs import remove_if_orphaned, remove_store_if_orphaned
 from torch_dtorch.cluster.transport.wire import decode, encode
+from torch_dtorch.cluster.worker.batch import BatchRun, LockedPusher, OpHeartbeat
+from torch_dtorch.collectives.shm_store import ShmTensorStore
+from torch_dtorch.collectives.torchdist import TorchDistComm
+from torch_dtorch.config import get_config
+from torch_dtorch.executor.memory_check import cuda_free_bytes, host_available_bytes
+from torch_dtorch.executor.worker import Worker
+from torch_dtorch.runtime.stream import KernelStream
 
 __all__ = ["WorkerProcess"]
 
@@ -55,44 +65,6 @@ log = logging.getLogger("torch_dtorch.worker")
 _POLL_S = 0.2
 _REJECT_REPORT_S = 1.0
 _ORPHAN_WAIT_S = 1.0  # how long a worker whose controller is lost waits for its process to be gone (clean-up)
-
-
-class _LockedPusher(Pusher):
-    """The reply socket, shared by the main, data and kernel threads (sends serialized by a lock)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._lock = threading.Lock()
-
-    def send(self, obj: Any, *, kind: MessageKind) -> int:
-        with self._lock:
-            return super().send(obj, kind=kind)
-
-    def close_after_flush(self, linger_ms: int = 1000) -> None:
-        with self._lock:
-            if not self.closed:
-                self._sock.setsockopt(zmq.LINGER, linger_ms)
-                self._sock.close()
-
-
-class _OpHeartbeat(HeartbeatClient):
-    """Heartbeat that records the op in flight without sending a beat per op (the periodic beat carries it)."""
-
-    def note_op(self, op: str) -> None:
-        with self._lock:
-            self._busy_op, self._last_op, self._busy_since = op, op, time.time()
-
-    def note_idle(self) -> None:
-        with self._lock:
-            self._busy_op = None
-
-
-def _op_name(instr: Any) -> str:
-    node = getattr(instr, "node", None)
-    if node is not None:
-        outs = getattr(node, "outputs", ())
-        return f"{node.name} -> %{outs[0].id}" if outs else str(node.name)
-    return type(instr).__name__
 
 
 class WorkerProcess:
@@ -185,10 +157,10 @@ class WorkerProcess:
         for name in w.get("imports", ()):
             importlib.import_module(name)
         session = int(w["session"])
-        self.pusher = _LockedPusher(
+        self.pusher = LockedPusher(
             self._from_host(w["pull"]), secret=self.secret, sender=self.worker_id, session=session
         )
-        self.hb = _OpHeartbeat(
+        self.hb = OpHeartbeat(
             w["heartbeat"],
             self.worker_id,
             host=self.host or socket.gethostname(),
@@ -201,7 +173,6 @@ class WorkerProcess:
         )
         self.data_session = session
         self._attach_shm(w)
-        from torch_dtorch.cluster.codec import BatchDecoder  # the wire format of instructions
 
         self.decoder = BatchDecoder()
         self._build_worker()
@@ -239,7 +210,6 @@ class WorkerProcess:
         path = w.get("shm")
         if not isinstance(path, str) or not path:
             return
-        from torch_dtorch.collectives.shm_store import ShmTensorStore
 
         try:
             self.shm = ShmTensorStore(path, timeout_s=0)
@@ -254,15 +224,6 @@ class WorkerProcess:
         self.shm_threshold = int(w.get("shm_threshold", 1 << 20))
 
     def _build_worker(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from torch_dtorch.cluster.ipc import CudaFetchWorker, WorkerIpc
-        from torch_dtorch.cluster.store import StorePoisonBoard, WorkerStore
-        from torch_dtorch.collectives.torchdist import TorchDistComm
-        from torch_dtorch.config import get_config
-        from torch_dtorch.executor.worker import Worker
-        from torch_dtorch.runtime.stream import KernelStream
 
         w = self.welcome
         cfg = get_config()
@@ -366,7 +327,7 @@ class WorkerProcess:
             except Exception as e:  # noqa: BLE001 - the instruction stream cannot continue
                 self._fatal(f"could not decode batch {msg.seq}: {type(e).__name__}: {e}")
                 return
-            run = _BatchRun(self, msg.seq, batch)
+            run = BatchRun(self, msg.seq, batch)
             if inline:
                 run()
             else:  # during start-up (the main thread answers the handshake): after the communicator is built
@@ -380,8 +341,6 @@ class WorkerProcess:
             self._report_reject(TransportError(f"unexpected {msg.kind.name} on the batch stream"))
 
     def _data_loop(self) -> None:
-        from torch_dtorch.cluster.ipc import is_ipc_body
-        from torch_dtorch.cluster.store import value_from_body
 
         sock = self.control
         assert sock is not None
@@ -438,7 +397,7 @@ class WorkerProcess:
         if body is None:
             body = self._host_body(key, value)
         ack = self.ack_with_value
-        if ack is not None:  # the batch ends with this reply: acknowledge it here (see _BatchRun)
+        if ack is not None:  # the batch ends with this reply: acknowledge it here (see BatchRun)
             body["ack"] = ack
             self.ack_with_value = None
         self._add_mem_free(body)
@@ -450,8 +409,6 @@ class WorkerProcess:
         if not getattr(self, "_report_memory", False):
             return
         try:
-            from torch_dtorch.executor.memory_check import cuda_free_bytes, host_available_bytes
-
             if self._torch_device.type == "cuda":
                 body["mem_free"] = cuda_free_bytes(self._torch_device)
             else:
@@ -462,7 +419,6 @@ class WorkerProcess:
             log.debug("worker %s: no free-memory figure: %s", self.worker_id, e)
 
     def _host_body(self, key: Any, value: Any) -> dict[str, Any]:
-        from torch_dtorch.cluster.store import value_body
 
         return value_body(key, value, shm=self.shm, threshold=self.shm_threshold, direction="f")
 
@@ -516,38 +472,3 @@ class WorkerProcess:
             self.shm.close()  # attached: the controller owns (and removes) the directory
         if self.ipc is not None:
             self.ipc.close()
-
-
-class _BatchRun:
-    """One batch on the kernel thread: run every instruction, then acknowledge the batch. When the last instruction
-    sends a value (a barrier marker, a fetch: what a waiting caller needs), the acknowledgement rides on that value
-    message instead of a message of its own (one message per round trip instead of two)."""
-
-    __slots__ = ("proc", "seq", "batch")
-
-    def __init__(self, proc: WorkerProcess, seq: int, batch: Sequence[Any]) -> None:
-        self.proc, self.seq, self.batch = proc, seq, batch
-
-    def __call__(self) -> None:
-        proc = self.proc
-        note = proc.hb.note_op
-        batch = self.batch
-        last = len(batch) - 1
-        seq = self.seq
-
-        def before(i: int, instr: Any) -> None:
-            note(_op_name(instr))
-            if i == last:
-                proc.ack_with_value = seq  # taken by _send_value if this instruction replies
-
-        try:
-            proc.worker.run_batch(batch, before=before)
-        finally:
-            proc.hb.note_idle()
-        if proc.ack_with_value is None:
-            return
-        proc.ack_with_value = None
-        try:
-            proc.pusher.send({"ack": self.seq}, kind=MessageKind.ACK)
-        except TransportError:
-            pass

@@ -31,6 +31,9 @@ FAMILIES = (
     "backward_embedding",
     "complex_views",
     "loss_nll",
+    "quantized",
+    "fused",
+    "foreach",
     "sampling",
 )
 

@@ -181,9 +181,12 @@ def softmax_signatures(call: OpCall) -> list[PlacementSignature]:
     return [sig([Shard(d)], Shard(d)) for d in range(nd) if d != dim]
 
 
-@register_rule(aten._softmax.default, aten._log_softmax.default, family="normalization")
+@register_rule(
+    aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default, family="normalization"
+)
 def softmax(call: OpCall) -> list[PlacementSignature]:
-    """Shard any dim but the softmax dim."""
+    """Shard any dim but the softmax dim (``_safe_softmax``: what SDPA's math form calls, a row of ``-inf`` gives
+    zeros; seen whole by compiled training's capture)."""
     return softmax_signatures(call)
 
 
