@@ -346,7 +346,7 @@ return [%slice_1, %slice_2]""",
 %16 = input() -> f32[16]
 %17 = redistribute(%0) -> f32[1, 2, 8]  # local_slice(axis=0, dim=2)
 %18 = redistribute(%1) -> f32[1, 4, 8]  # all_to_all(axis=0, 1->2)
-%19 = aten.cat([%17, %18], 1) -> f32[1, 6, 8]
+%19 = aten.cat[rule kernel]([%17, %18], 1) -> f32[1, 6, 8]
 %20 = aten.silu(%2) -> f32[1, 16]
 %21 = aten.linear(%20, %3, %4) -> f32[1, 48]
 %22, %23, %24 = aten.split.Tensor(%21, 16, 1) -> (f32[1, 16], f32[1, 16], f32[1, 16])
@@ -378,7 +378,7 @@ return [%slice_1, %slice_2]""",
 %50 = aten.clone[rule kernel](%49, memory_format=torch.contiguous_format) -> f32[1, 6, 1, 8]
 %51 = aten._unsafe_view[rule kernel](%50, [1, 6, 8]) -> f32[1, 6, 8]
 %52 = redistribute(%51) -> f32[1, 3, 16]  # all_to_all(axis=0, 2->1)
-%53 = aten.cat([%52, %33], 2) -> f32[1, 3, 48]
+%53 = aten.cat[rule kernel]([%52, %33], 2) -> f32[1, 3, 48]
 %54 = aten.unsqueeze(%24, 1) -> f32[1, 1, 16]
 %55 = aten.linear(%53, %15, %16) -> f32[1, 3, 16]
 %56 = aten.mul.Tensor(%54, %55) -> f32[1, 3, 16]

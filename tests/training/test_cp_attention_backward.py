@@ -123,3 +123,48 @@ def test_query_sharded_and_batch_sharded_backward_without_cp_axis() -> None:
     )
     for got, w in zip(grads, want, strict=True):
         torch.testing.assert_close(got, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "names"), [((2,), ("cp",)), ((2,), ("ulysses",)), ((4,), ("cp",))], ids=str
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_loss_backward_through_sdpa_is_context_parallel(sizes, names, causal: bool) -> None:
+    """``loss.backward()`` through ``F.scaled_dot_product_attention`` on sequence-sharded dtorch leaves: the
+    gradients equal torch's and stay sequence-sharded (the CP backward ran, not a gathered math path)."""
+    import torch.nn.functional as F
+
+    import torch_dtorch as dt
+
+    q, k, v, w = _inputs(1, 4, 10, 8, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    (F.scaled_dot_product_attention(*leaves, is_causal=causal) * w).sum().backward()
+    mesh = dt.init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    pl = [Shard(2)] * len(sizes)
+    dleaves = [dt.distribute_tensor(t, mesh, pl).requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*dleaves, is_causal=causal)
+    (out * dt.distribute_tensor(w, mesh, pl)).sum().backward()
+    for d, t in zip(dleaves, leaves, strict=True):
+        assert d.grad is not None and tuple(d.grad.placements) == tuple(pl)
+        torch.testing.assert_close(d.grad.full_tensor(), t.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("names", [("cp",), ("ulysses",)], ids=str)
+def test_cuda_simulated_mesh_backward(names) -> None:
+    """The same on a simulated 2-device CUDA mesh (every rank on cuda:0), bf16 and float32."""
+    import torch.nn.functional as F
+
+    import torch_dtorch as dt
+
+    mesh = dt.init_device_mesh("cuda", (2,), mesh_dim_names=names, simulate=True)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        q, k, v, w = (t.to("cuda", dtype) for t in _inputs(2, 4, 64, 32, seed=5))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        (F.scaled_dot_product_attention(*leaves, is_causal=True).float() * w.float()).sum().backward()
+        d = [dt.distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*d, is_causal=True)
+        (out.float() * dt.distribute_tensor(w, mesh, [Shard(2)]).float()).sum().backward()
+        for got, want in zip(d, leaves, strict=True):
+            assert got.grad is not None and tuple(got.grad.placements) == (Shard(2),)
+            torch.testing.assert_close(got.grad.full_tensor().float(), want.grad.float(), atol=tol, rtol=tol)

@@ -18,6 +18,7 @@ from torch_dtorch._compat import (
     setup_privateuse1_python_backend,
 )
 from torch_dtorch.device import binding, dispatch, fastpath, rng
+from torch_dtorch.device.attention_grad import sdpa_autograd
 from torch_dtorch.device.rng import install_rng_functions
 from torch_dtorch.device.state import get_session
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
@@ -469,6 +470,10 @@ def ensure_registered() -> None:
                 lib.impl(_schema_name(op), _restride_inplace(op), "PrivateUse1")
                 _KERNELS[op] = "refused"
         for op in intercept_list():
+            if op is aten.scaled_dot_product_attention.default:
+                # autograd through the fused attention pair, whose rules keep CP in the backward
+                lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), "AutogradPrivateUse1")
+                continue
             if not isinstance(op, str) and has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd"):
                 if fastpath.NATIVE is not None and _KERNELS.get(op) == "generic":
                     fastpath.NATIVE.register_composite(op.namespace, _schema_name(op))
