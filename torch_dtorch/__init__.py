@@ -14,6 +14,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from torch_dtorch import device as _device
 from torch_dtorch import nn, tools  # noqa: E402 - module parallelism (layers, parallelize_module, pipeline)
+from torch_dtorch._compat import hide_from_dynamo as _hide_from_dynamo
 from torch_dtorch.api import (
     distribute_tensor,
     empty,
@@ -79,3 +80,6 @@ __all__ = [
 ]
 
 _device.setup()
+
+# dtorch's own code (dispatch kernels, executor, ...) runs untraced where dynamo's frame hook meets it (graph breaks)
+_hide_from_dynamo()

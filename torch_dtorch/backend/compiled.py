@@ -346,13 +346,16 @@ class CompiledGraph:
             report.inputs = [
                 f"in{i}: {s.dtype} {list(s.shape)} R on a 1-device mesh" for i, s in enumerate(specs)
             ]
-            try:
-                prop = propagate(self.gm, specs, mesh=mesh, policy=self.options.redistribute)
-                report.logical = str(prop.graph)
-                report.local = {0: str(build_local_program(prop, 0))}
-            except (DTorchError, NotImplementedError) as e:
-                # a 1-device program is the captured graph itself: nothing to propagate for execution
-                report.error = f"{type(e).__name__}: {e}".splitlines()[0]
+            if len(specs) != len(args):  # symbolic sizes (dynamic=True) come as SymInt inputs
+                report.error = "non-tensor graph inputs (symbolic sizes): the captured graph runs as it is"
+            else:
+                try:
+                    prop = propagate(self.gm, specs, mesh=mesh, policy=self.options.redistribute)
+                    report.logical = str(prop.graph)
+                    report.local = {0: str(build_local_program(prop, 0))}
+                except (DTorchError, NotImplementedError) as e:
+                    # a 1-device program is the captured graph itself: nothing to propagate for execution
+                    report.error = f"{type(e).__name__}: {e}".splitlines()[0]
             self._publish(report)
             fn: Callable[..., Any] = self.gm.forward
             if self.options.worker_compiler == "inductor":

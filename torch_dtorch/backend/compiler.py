@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import fx
 
+from torch_dtorch import _compat
 from torch_dtorch.backend.capture import capture, needs_grad
 from torch_dtorch.backend.compiled import CompiledGraph
 from torch_dtorch.backend.options import CompileOptions, CompileOptionsError
@@ -34,6 +35,7 @@ def compile_graph(
             "options={'worker_compiler': 'inductor', 'cudagraphs': True} instead"
         )
     opts = CompileOptions.parse(options, backend=backend)
+    _compat.hide_from_dynamo()  # modules imported since ``import torch_dtorch`` (this backend's among them)
     if needs_grad(example_inputs):  # training: a forward and a backward program (backend/training.py)
         return compile_training(gm, example_inputs, options=opts, backend=backend, debug=debug)
     compiled: list[CompiledGraph] = []

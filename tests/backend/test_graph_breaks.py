@@ -1,0 +1,247 @@
+"""Graph breaks under ``torch.compile(backend="dtorch")``: the frames around a break compile, the break runs eagerly
+on dtorch tensors, results equal eager torch — and dynamo never traces dtorch's own code (dispatch kernels, executor)
+when it meets it as a new frame (``_compat.hide_from_dynamo``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import torch_dtorch as dt
+from torch_dtorch import Replicate, Shard, _compat
+from torch_dtorch.backend import dtorch_backend
+
+from .models import distribute_module
+
+log = logging.getLogger(__name__)
+
+BREAKS = ("graph_break", "print", "item", "none")
+
+
+def _break(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """One graph break of the given kind (``none``: no break)."""
+    if kind == "graph_break":
+        torch._dynamo.graph_break()
+    elif kind == "print":
+        print("layer done")  # noqa: T201 - a print is the classic user graph break
+    elif kind == "item" and x.abs().sum().item() > 1e9:  # data-dependent control flow: never true
+        x = x * 0
+    return x
+
+
+class Block(nn.Module):
+    """A decoder-layer-like block; ``inner`` puts the break inside its forward (a break with no loop around it)."""
+
+    def __init__(self, dim: int, *, inner: str = "none") -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.up(x))
+        h = _break(self.inner, h)
+        return x + self.down(h)
+
+
+class Looped(nn.Module):
+    """Layers in a loop with a break inside the loop (``outer``) and/or inside each layer (``inner``)."""
+
+    def __init__(
+        self, dim: int = 8, num_layers: int = 3, *, outer: str = "none", inner: str = "none"
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(dim, inner=inner) for _ in range(num_layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.outer = outer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 2
+        for layer in self.layers:
+            x = layer(x)
+            x = _break(self.outer, x)
+        return self.norm(x)
+
+
+def _tp_plan(num_layers: int) -> dict[str, Sequence[Any]]:
+    plan: dict[str, Sequence[Any]] = {}
+    for i in range(num_layers):
+        plan |= {f"layers.{i}.up.weight": [Shard(0)], f"layers.{i}.up.bias": [Shard(0)]}
+        plan |= {f"layers.{i}.down.weight": [Shard(1)]}
+    return plan
+
+
+def _recording_backend(graphs: list[fx.GraphModule]) -> Callable[..., Any]:
+    def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        graphs.append(gm)
+        return dtorch_backend(gm, example_inputs)
+
+    return backend
+
+
+def _traced_files(graphs: Sequence[fx.GraphModule]) -> set[str]:
+    """The source files of every op dynamo put in a graph (from the nodes' stack traces)."""
+    files = set()
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            trace = node.meta.get("stack_trace") or ""
+            files |= {line.split('"')[1] for line in trace.splitlines() if line.strip().startswith('File "')}
+    return files
+
+
+def _run(
+    model: nn.Module,
+    mesh: dt.DeviceMesh,
+    x: torch.Tensor,
+    placements: Sequence[Any],
+    plan: dict[str, Sequence[Any]] | None = None,
+    *,
+    calls: int = 2,
+) -> tuple[torch.Tensor, list[fx.GraphModule]]:
+    """Eager torch reference vs the compiled model on dtorch tensors; returns the reference and dynamo's graphs."""
+    with torch.no_grad():
+        ref = model(x)
+        distribute_module(model, mesh, plan)
+        graphs: list[fx.GraphModule] = []
+        compiled = torch.compile(model, backend=_recording_backend(graphs))
+        for _ in range(calls):  # the second call runs the cached graphs around the break
+            y = compiled(dt.distribute_tensor(x, mesh, list(placements)))
+            torch.testing.assert_close(y.full_tensor(), ref)
+    return ref, graphs
+
+
+def _assert_only_model_code(graphs: Sequence[fx.GraphModule]) -> None:
+    internal = {f for f in _traced_files(graphs) if "/torch_dtorch/" in f}
+    assert not internal, f"dynamo traced dtorch's own code into a graph: {sorted(internal)}"
+
+
+@pytest.fixture
+def mesh2() -> dt.DeviceMesh:
+    return dt.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+
+@pytest.mark.parametrize("kind", BREAKS)
+@pytest.mark.parametrize("where", ["outer", "inner"])
+def test_break_in_a_loop_equals_eager(mesh2: dt.DeviceMesh, where: str, kind: str) -> None:
+    torch.manual_seed(0)
+    model = Looped(**{where: kind})
+    _, graphs = _run(model, mesh2, torch.randn(5, 8), [Shard(0)])  # 5 rows: uneven shards
+    _assert_only_model_code(graphs)
+    assert graphs, "the blocks around the break compile"
+    # a break inside each block splits its forward in two graphs (before / after), compiled once for all layers
+    if where == "inner" and kind != "none":
+        assert len(graphs) >= 2
+
+
+@pytest.mark.parametrize("kind", ["graph_break", "item"])
+def test_break_with_tensor_parallel_layers(mesh2: dt.DeviceMesh, kind: str) -> None:
+    torch.manual_seed(1)
+    model = Looped(outer=kind, inner=kind)
+    _, graphs = _run(model, mesh2, torch.randn(4, 8), [Replicate()], _tp_plan(3))
+    _assert_only_model_code(graphs)
+
+
+def test_break_on_a_2d_mesh() -> None:
+    mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(2)
+    model = Looped(outer="graph_break", inner="item")
+    _, graphs = _run(model, mesh, torch.randn(6, 8), [Shard(0), Replicate()])
+    _assert_only_model_code(graphs)
+
+
+def test_print_break_prints(mesh2: dt.DeviceMesh, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(3)
+    _run(Looped(outer="print"), mesh2, torch.randn(4, 8), [Shard(0)], calls=1)
+    assert capsys.readouterr().out.count("layer done") == 2 * 3  # eager reference + compiled, 3 layers each
+
+
+def test_fullgraph_refuses_a_break(mesh2: dt.DeviceMesh) -> None:
+    torch.manual_seed(4)
+    model = Looped(inner="graph_break")
+    with torch.no_grad():
+        distribute_module(model, mesh2)
+        compiled = torch.compile(model, backend="dtorch", fullgraph=True)
+        with pytest.raises(Exception, match="graph_break|graph break") as info:
+            compiled(dt.distribute_tensor(torch.randn(4, 8), mesh2, [Shard(0)]))
+    log.debug("fullgraph=True with a break: %s", info.value)
+
+
+def test_plain_inputs_with_symbolic_sizes() -> None:
+    """dynamic=True on plain tensors gives graphs with SymInt inputs: they run as captured (they used to fail in
+    the compile report's propagation)."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * x.shape[0]
+
+    compiled = torch.compile(fn, backend="dtorch", dynamic=True)
+    for n in (4, 5):
+        x = torch.randn(n)
+        assert torch.equal(compiled(x), fn(x))
+
+
+def test_hide_from_dynamo_skips_frames_and_their_callees() -> None:
+    """A hidden module's functions, and what they call, run untraced where dynamo's frame hook meets them."""
+    mod = types.ModuleType("dtorch_hidden_probe")
+    src = (
+        "import torch\n"
+        "def helper(x):\n    return torch.cos(x) + 1\n"
+        "def entry(x):\n    return helper(x) * 2\n"
+        "TABLE = [lambda x: torch.tan(x)]\n"
+    )
+    exec(compile(src, "<dtorch_hidden_probe>", "exec"), mod.__dict__)  # noqa: S102 - a throwaway probe module
+    sys.modules[mod.__name__] = mod
+    try:
+        graphs: list[fx.GraphModule] = []
+
+        def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+            graphs.append(gm)
+            return gm.forward
+
+        def user(x: torch.Tensor) -> torch.Tensor:
+            for _ in range(2):
+                x = x + 1
+                torch._dynamo.graph_break()  # a break in a loop: this frame runs eagerly, callees are new frames
+                x = mod.entry(x) + mod.TABLE[0](x)
+            return x
+
+        x = torch.randn(3)
+        expected = user(x)
+        torch.testing.assert_close(torch.compile(user, backend=backend)(x), expected)
+        assert graphs, "not hidden: dynamo compiles entry() and the lambda as frames of their own"
+        torch._dynamo.reset()
+        graphs.clear()
+        assert _compat.hide_from_dynamo([mod]) >= 3  # entry, helper, the lambda
+        torch.testing.assert_close(torch.compile(user, backend=backend)(x), expected)
+        assert not graphs, "hidden functions (and their callees) must not be compiled as frames"
+    finally:
+        del sys.modules[mod.__name__]
+
+
+@pytest.fixture(scope="module")
+def process_mesh() -> Iterator[dt.DeviceMesh]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DTORCH_HEARTBEAT_TIMEOUT_S", "10")  # a loaded 2-core CI machine, as in test_process.py
+    mp.setenv("DTORCH_CONTROLLER_TIMEOUT_S", "30")
+    dt.shutdown()
+    try:
+        yield dt.init_device_mesh("cpu", (2,), mode="process")
+    finally:
+        dt.shutdown()
+        mp.undo()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["graph_break", "item"])
+def test_break_on_processes(process_mesh: dt.DeviceMesh, kind: str) -> None:
+    torch.manual_seed(5)
+    model = Looped(outer=kind, inner=kind)
+    _, graphs = _run(model, process_mesh, torch.randn(5, 8), [Shard(0)], _tp_plan(3))
+    _assert_only_model_code(graphs)
