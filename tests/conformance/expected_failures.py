@@ -18,11 +18,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "jiterator_binary_return_by_ref": "CUDA-only OpInfo (jiterator): no CPU sample runs",
     "jiterator_unary": "CUDA-only OpInfo (jiterator): no CPU sample runs",
     "max_pool2d_with_indices_backward": "no rule yet: aten.max_pool2d_with_indices_backward.grad_input",
-    "multinomial": (
-        "WRONG: multinomial draws on the workers (placement_rules/families/sampling.py) from the generator state "
-        "they find when they run; OpInfo's wrapper_set_seed (freeze_rng_state) restores the state before they run "
-        "(the draw_global gap of dropout; HF generate under a seed equals torch: tests/apps/llama)"
-    ),
     "nanquantile": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
     "nn.functional.bilinear": "decomposes to as_strided on a sharded operand (no view/scatter rule for it yet): typed AsStridedError or a local storage error",
     "nn.functional.fractional_max_pool2d": "no rule yet: aten.fractional_max_pool2d.output (a random op: a rule must replay torch's stream, see device/rng.py)",
@@ -103,11 +98,6 @@ OUT_FAILURES: dict[str, str] = {
     "logspace.tensor_overload": "NO RULE: aten.logspace.out with tensor start/end (no rule for aten.logspace.default)",
     "lu": _RESIZE,
     "msort": _INTERNAL_OUT,
-    "multinomial": (
-        "WRONG: multinomial draws on the workers (placement_rules/families/sampling.py) from the generator state "
-        "they find when they run; OpInfo's wrapper_set_seed (freeze_rng_state) restores the state before they run "
-        "(the draw_global gap of dropout; HF generate under a seed equals torch: tests/apps/llama)"
-    ),
     "nanquantile": (
         "ERROR: quantile's out= reaches as_strided on the storage-less dtorch out tensor (a setStorage RuntimeError)"
     ),

@@ -52,6 +52,7 @@ _SPECIAL = {
     aten._local_scalar_dense.default,
     aten.empty_strided.default,
     aten.as_strided.default,
+    aten.multinomial.default,
 }
 
 
@@ -356,6 +357,7 @@ _SPECIAL_KERNELS = {
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.empty_strided.default: _empty_strided,
     aten.as_strided.default: _as_strided,
+    aten.multinomial.default: rng.multinomial,  # drawn on the controller (device/rng.py)
 }
 
 

@@ -6,6 +6,9 @@ the random stream equal torch's under the same seed:
 
 - ``rand``/``randn``/``*_like`` are drawn on the controller from the **controller device's default generator**
   (the CPU generator for a ``cpu`` mesh, ``cuda:0``'s for a ``cuda`` one) and uploaded;
+- ``multinomial`` (sampling: HF ``generate(do_sample=True)``) is drawn on the controller too: ``probs`` is fetched
+  (one ``[batch, vocab]`` row block per call), sampled with torch's own ``multinomial`` and the indices uploaded —
+  so thread and process mode both equal torch (:func:`multinomial`);
 - ops drawn by the workers (``dropout``, ...) replay that generator's state (``placement_rules/creation.py``,
   ``draw_global``); in thread mode the workers share the controller's process and advance the same generator.
   Known gap: they read the state when they *run*, not when the op was recorded, so a ``set_rng_state`` /
@@ -30,9 +33,9 @@ from torch_dtorch.device.dispatch import controller_device, dispatch_op, wrap
 from torch_dtorch.device.state import get_session, session_or_none
 from torch_dtorch.device.tensors import TABLE, is_dtorch
 from torch_dtorch.device.transfer import fetch
-from torch_dtorch.placement import Replicate, is_partial
+from torch_dtorch.placement import Replicate, Shard, is_partial, is_shard
 
-__all__ = ["RANDOM_INPLACE_OPS", "RNG_FUNCTIONS", "install_rng_functions", "random_inplace"]
+__all__ = ["RANDOM_INPLACE_OPS", "RNG_FUNCTIONS", "install_rng_functions", "multinomial", "random_inplace"]
 
 
 def _controller_device() -> torch.device:
@@ -151,3 +154,29 @@ def random_inplace(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> to
         src = wrap(rt, operand)
     dispatch_op(torch.ops.aten.copy_.default, (self, src), {})
     return self
+
+
+def multinomial(
+    probs: torch.Tensor,
+    num_samples: int,
+    replacement: bool = False,
+    *,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The dtorch kernel of ``aten.multinomial``: drawn on the controller from torch's own generator (``generator``
+    if given, else the controller device's default one), so the samples and the generator's state afterwards equal
+    single-device torch's in thread and process mode alike. ``probs`` is fetched (a sync point: one ``[B, V]``
+    block per call, what HF ``generate`` samples from each step); invalid rows raise torch's own error here, at the
+    call. The indices are uploaded batch-sharded like ``probs`` (``Shard(0)`` of a 2-d ``probs`` stays, anything
+    else becomes Replicate: a row is one distribution) — the placements of the rule in
+    ``placement_rules/families/sampling.py``, which compiled programs use."""
+    rt = get_session()
+    x = TABLE.lookup(probs, rt.generation)
+    host = fetch(probs).to(controller_device(rt))
+    value = torch.multinomial(host, num_samples, replacement, generator=generator)
+    if x.mesh is None:
+        return wrap(rt, binding.defer_upload(rt, value))
+    rows = [Shard(0) if x.ndim == 2 and is_shard(p, 0) else Replicate() for p in x.placements]
+    operand = rt.executor.input(tuple(value.shape), x.mesh, rows, dtype=value.dtype)
+    rt.executor.upload(operand, value)
+    return wrap(rt, operand)

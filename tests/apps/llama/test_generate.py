@@ -124,11 +124,10 @@ def test_generate_first_on_a_fresh_pool() -> None:
     assert torch.equal(dt.to_torch(tokens), ref.tokens)
 
 
-@thread_only
 def test_seeded_sampling_equals_torch() -> None:
-    """HF sampling (top-k, temperature, ``torch.multinomial``) under a seed gives torch's tokens: the multinomial
-    rule draws torch's random stream (``placement_rules/families/sampling.py``; worker processes draw from their
-    own generators, hence thread mode)."""
+    """HF sampling (top-k, temperature, ``torch.multinomial``) under a seed gives torch's tokens, in thread and
+    process mode: the dtorch device draws ``multinomial`` on the controller from torch's own generator
+    (``device/rng.py``)."""
     ref = reference()
     sample = {"do_sample": True, "top_k": 20, "temperature": 0.8, "max_new_tokens": 4, "pad_token_id": 0}
     torch.manual_seed(7)

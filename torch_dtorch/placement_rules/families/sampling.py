@@ -14,10 +14,14 @@ where one global draw leaves it) and keeps its rows: the samples equal torch's, 
 afterwards. O(global numel) work per rank, like the random factories. Invalid rows (negative, inf or nan
 probabilities, a zero row) raise torch's own error on the rank that holds them.
 
-The draw happens where the workers run, from the default generator of their process — the controller's in thread
-mode (the test runner's default). Worker processes (``mode="process"``) have generators of their own, not seeded by
-the controller's ``torch.manual_seed``: as for ``dropout``, their samples are valid but do not equal torch's (the
-known gap of worker-drawn random ops, ``device/rng.py``). A ``generator=`` argument is used as given (thread mode).
+Where this kernel runs: in **compiled programs** (``torch.compile(backend="dtorch")`` graphs that sample) and in
+the reference executors. Eager calls never reach it: the ``dtorch`` device draws ``multinomial`` on the controller
+(``device/rng.py``: ``probs`` fetched, torch's own ``multinomial``, the indices uploaded with this rule's output
+placements), so eager samples equal torch's in thread and process mode alike. Here the draw happens where the
+workers run, from the default generator of their process — the controller's in thread mode. Worker processes
+(``mode="process"``) have generators of their own, not seeded by the controller's ``torch.manual_seed``: as for
+``dropout``, their samples are valid but do not equal torch's (the known gap of worker-drawn random ops,
+``device/rng.py``). A ``generator=`` argument is used as given (thread mode).
 """
 
 from __future__ import annotations
