@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import logging
 import sys
 import threading
 import types
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "TORCH_VERSION",
@@ -262,7 +265,12 @@ def hide_from_dynamo(modules: Iterable[types.ModuleType] | None = None) -> int:
         if m.__name__ in _HIDDEN_MODULES:
             continue
         _HIDDEN_MODULES.add(m.__name__)
-        for code in _codes([v for k, v in vars(m).items() if not k.startswith("__")], m.__name__):
+        try:
+            codes = _codes([v for k, v in vars(m).items() if not k.startswith("__")], m.__name__)
+        except Exception:  # noqa: BLE001 - an odd module global must never break ``import torch_dtorch``
+            log.debug("hide_from_dynamo: could not walk %s", m.__name__, exc_info=True)
+            continue
+        for code in codes:
             set_code_exec_strategy(code, strategy)
             marked += 1
     return marked
