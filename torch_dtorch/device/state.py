@@ -162,6 +162,9 @@ def shutdown() -> None:
     with _LOCK:
         rt, _SESSION = _SESSION, None
     TABLE.set_runtime(-1, None)
+    # the recipes of unbound tensors are keyed by operand id, and ids restart with the next session: an old
+    # recipe must not answer for a new operand (its tensors are unusable anyway)
+    binding._DEFERRED.clear()
     if rt is not None:
         try:
             rt.executor.shutdown()
