@@ -164,13 +164,15 @@ def test_copy_from_plain_tensors_frees_the_old_value() -> None:
     assert max(len(w.blobs) for w in workers.values()) <= before
     from torch_dtorch.device import binding
 
+    gc.collect()
+    others = set(binding._DEFERRED)  # unbound tensors other tests of this session still hold
     u = torch.zeros(3, device="dtorch")
     for i in range(20):
         u.copy_(torch.full((3,), float(i)))
     with mesh:
         u.add_(1)
     assert u.full_tensor().tolist() == [20.0] * 3
-    assert not binding._DEFERRED
+    assert set(binding._DEFERRED) <= others  # none of this test's recipes is left
 
 
 def test_placements_survive_detach_parameter_and_data() -> None:
