@@ -313,8 +313,7 @@ def test_upstream_code_runs_with_only_the_import_changed() -> None:
     # the same snippet against torch.distributed.tensor, in a single-rank gloo process group
     code = (
         "import os, torch.distributed as dist\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29541')\n"
-        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
         + UPSTREAM_SNIPPET.format(module="torch.distributed.tensor").replace("(2,)", "(1,)")
         + "print(result.tolist())\n"
     )
