@@ -9,8 +9,9 @@ the pipeline, the scheduler) would never overlap with their work. With it:
   guidance arithmetic (SD3's ``chunk`` and combination, FLUX's true CFG) runs as dtorch ops;
 - the scheduler's ``step`` (an instance attribute wrapping the pipeline's own scheduler) places a host ``sample``
   on the mesh like the model output — reusing the copy the transformer call already placed when it is the same
-  tensor — and runs the unmodified ``step``: a few pointwise ops whose plain-tensor sigmas (0-d CPU tensors) mix
-  with the dtorch operands; its result feeds the next step as a dtorch tensor;
+  tensor — and runs the unmodified ``step``: a few pointwise ops whose plain-tensor sigmas (0-d CPU tensors; moved
+  to the CPU once per call when diffusers put them on the CUDA host device) mix with the dtorch operands; its
+  result feeds the next step as a dtorch tensor;
 - after the last step (the scheduler's ``step_index`` reaches its ``timesteps``) the latents come back to the host
   once, so the VAE decode and ``output_type="latent"`` see plain tensors. Should they still be on the mesh (an
   interrupted loop, a scheduler without ``step_index``), ``vae.decode``, FLUX's ``_unpack_latents`` and the
@@ -68,6 +69,15 @@ def _loop_done(scheduler: Any) -> bool:
     return idx is not None and timesteps is not None and idx >= len(timesteps)
 
 
+def _sigmas_on_cpu(scheduler: Any) -> None:
+    """The scheduler's ``sigmas`` on the CPU (once per ``set_timesteps``): a step's ``sigma_next - sigma`` is then
+    a 0-d CPU tensor, a scalar to dtorch ops, instead of a 0-d tensor on the pipeline's CUDA device (diffusers'
+    ``set_timesteps(device=...)`` puts them there)."""
+    sigmas = getattr(scheduler, "sigmas", None)
+    if isinstance(sigmas, torch.Tensor) and sigmas.device.type != "cpu" and not is_dtorch(sigmas):
+        scheduler.sigmas = sigmas.cpu()
+
+
 def _wrap_step(
     scheduler: Any, mesh: DeviceMesh, placed: Callable[[torch.Tensor], torch.Tensor | None]
 ) -> None:
@@ -91,6 +101,8 @@ def _wrap_step(
             if hit is None:
                 hit = dt.distribute_tensor(sample.contiguous(), mesh, _like(out_.placements))  # type: ignore[attr-defined]
             bound.arguments["sample"] = hit
+        if isinstance(out_, torch.Tensor) and is_dtorch(out_):
+            _sigmas_on_cpu(scheduler)
         result = base(*bound.args, **bound.kwargs)
         return to_host(result) if _loop_done(scheduler) else result
 
