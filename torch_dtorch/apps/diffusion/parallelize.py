@@ -5,8 +5,10 @@ What is adapted (nothing in diffusers is edited):
 - The **transformer** — where the work is — moves to the mesh: its parameters become dtorch tensors (Replicate,
   or Megatron-style shards on a ``"tp"`` axis), and its class is swapped for a subclass (same name and config)
   whose ``forward`` places the call's inputs on the mesh, runs the unmodified diffusers ``forward`` (eagerly or
-  through ``torch.compile(backend="dtorch")``) and hands back plain tensors. Its ``device`` reports the host device,
-  so the pipeline keeps creating latents and running the scheduler where the text encoders and VAE live.
+  through ``torch.compile(backend="dtorch")``) and returns its output as dtorch tensors. Its ``device`` reports the
+  host device, so the pipeline creates the first latents where the text encoders and VAE live.
+- The **denoising loop stays on the mesh** (:mod:`~torch_dtorch.apps.diffusion.loop`): the scheduler's ``step``
+  runs on the dtorch output, and the latents come back to the host once, after the last step (no per-step sync).
 - Inputs that do not change between steps (prompt embeddings, ids, guidance) are placed once and reused.
 - **Text encoders and the VAE** run on one device (the host: the CPU, or ``cuda:0`` for CUDA meshes); they are a
   small part of the time at the resolutions that need a mesh. The VAE decode is optionally tiled.
@@ -27,7 +29,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from torch import nn
 import torch_dtorch as dt
 from torch_dtorch.apps.diffusion.accelerate import apply_accelerations, compiles_whole_forward
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
+from torch_dtorch.apps.diffusion.loop import host_call, keep_loop_on_mesh
 from torch_dtorch.backend import dtorch_backend
 from torch_dtorch.backend.place import mesh_key, place
 from torch_dtorch.device.tensors import is_dtorch
@@ -211,6 +214,9 @@ class _Runner:
     base_forward: Callable[..., Any]
     patch_size: int = 1
     compiled: Callable[..., Any] | None = None
+    #: called before every transformer call: (re)wraps the pipeline's loop (a scheduler swapped in after
+    #: ``parallelize_pipeline`` is wrapped at its first step)
+    before_call: Callable[[], None] | None = None
     #: input name -> (the host tensor it came from, its version, the placed tensor)
     cache: dict[str, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = field(default_factory=dict)
 
@@ -247,8 +253,15 @@ class _Runner:
         return pl
 
     def place(self, name: str, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or is_dtorch(x):
+        """``x`` on the mesh with the placements of input ``name``: a host tensor is distributed (once while it is
+        the same tensor at the same version), a dtorch tensor from an earlier step redistributed if needed (so a
+        compiled transformer always sees the same layout)."""
+        if not isinstance(x, torch.Tensor):
             return x
+        if is_dtorch(x):
+            want = self.placements(name, x)
+            cur = list(x.placements)  # type: ignore[attr-defined]
+            return x if cur == want else x.redistribute(self.plan.mesh, want)  # type: ignore[attr-defined]
         hit = self.cache.get(name)
         if hit is not None and hit[0]() is x and hit[1] == x._version:
             return hit[2]
@@ -260,6 +273,13 @@ class _Runner:
         placed = dt.distribute_tensor(dense, self.plan.mesh, self.placements(name, x))
         self.cache[name] = (weakref.ref(x), x._version, placed)
         return placed
+
+    def placed_copy(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The dtorch copy this runner placed of the host tensor ``x`` (same tensor, same version), or ``None``."""
+        for ref, version, placed in self.cache.values():
+            if ref() is x and x._version == version:
+                return placed
+        return None
 
 
 def _shard_sequence_after(module: nn.Module, plan: MeshPlan) -> None:
@@ -315,30 +335,17 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _to_host(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and is_dtorch(x):
-        return x.full_tensor()  # type: ignore[attr-defined]
-    if isinstance(x, tuple):
-        return type(x)(_to_host(v) for v in x)
-    if is_dataclass(x) and not isinstance(x, type):  # diffusers' Transformer2DModelOutput
-        for f in fields(x):
-            setattr(x, f.name, _to_host(getattr(x, f.name)))
-        if isinstance(x, dict):
-            for k in list(x.keys()):
-                x[k] = getattr(x, k)
-    return x
-
-
 def _mesh_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     runner: _Runner = self._dtorch_runner  # type: ignore[assignment]
     if args:
         bound = inspect.signature(runner.base_forward).bind_partial(*args, **kwargs)
         kwargs = dict(bound.arguments)
     placed = {k: runner.place(k, v) for k, v in kwargs.items()}
+    if runner.before_call is not None:
+        runner.before_call()
     fn = runner.compiled if runner.compiled is not None else runner.base_forward
     with torch.no_grad():
-        out = fn(**placed)
-    return _to_host(out)
+        return fn(**placed)  # dtorch tensors: the denoising loop stays on the mesh (loop.py)
 
 
 def _host_device(self: Any) -> torch.device:
@@ -375,6 +382,20 @@ def _mesh_class(cls: type) -> type:
             },
         )
     return _MESH_CLASSES[cls]
+
+
+_HOST_PIPELINES: dict[type, type] = {}
+
+
+def _host_pipeline_class(cls: type) -> type:
+    """The pipeline class ``cls`` whose ``__call__`` returns plain tensors (same name, module and config)."""
+    if cls not in _HOST_PIPELINES:
+        _HOST_PIPELINES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {"__call__": host_call(cls), "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+    return _HOST_PIPELINES[cls]
 
 
 def _host_of(mesh: DeviceMesh) -> torch.device:
@@ -439,6 +460,15 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
         _keep_sequence_sharded(transformer, plan)
     transformer._dtorch_runner = runner
     transformer.__class__ = _mesh_class(base)
+    pipe_ref = weakref.ref(pipe)
+
+    def keep_loop() -> None:
+        if (p := pipe_ref()) is not None:
+            keep_loop_on_mesh(p, plan.mesh, runner.placed_copy)
+
+    runner.before_call = keep_loop
+    keep_loop()
+    pipe.__class__ = _host_pipeline_class(type(pipe))
     log.info(
         "parallelize_pipeline: %s on mesh %s (axes %s), compile=%s",
         family.pipeline,
