@@ -164,13 +164,15 @@ def test_copy_from_plain_tensors_frees_the_old_value() -> None:
     assert max(len(w.blobs) for w in workers.values()) <= before
     from torch_dtorch.device import binding
 
+    gc.collect()
+    others = set(binding._DEFERRED)  # unbound tensors other tests of this session still hold
     u = torch.zeros(3, device="dtorch")
     for i in range(20):
         u.copy_(torch.full((3,), float(i)))
     with mesh:
         u.add_(1)
     assert u.full_tensor().tolist() == [20.0] * 3
-    assert not binding._DEFERRED
+    assert set(binding._DEFERRED) <= others  # none of this test's recipes is left
 
 
 def test_placements_survive_detach_parameter_and_data() -> None:
@@ -311,8 +313,7 @@ def test_upstream_code_runs_with_only_the_import_changed() -> None:
     # the same snippet against torch.distributed.tensor, in a single-rank gloo process group
     code = (
         "import os, torch.distributed as dist\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29541')\n"
-        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
         + UPSTREAM_SNIPPET.format(module="torch.distributed.tensor").replace("(2,)", "(1,)")
         + "print(result.tolist())\n"
     )

@@ -15,6 +15,7 @@ from torch_dtorch.device import binding
 from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.errors import DTorchError, MeshError
 from torch_dtorch.executor.eager import EagerGraphExecutor
+from torch_dtorch.executor.runner import Runner
 from torch_dtorch.executor.thread_runner import ThreadRunner
 from torch_dtorch.graph import Operand
 
@@ -81,7 +82,7 @@ def resolve_mode(mode: str | None) -> str:
 
 def _make_runner(
     mode: str, device_type: str, num_devices: int, simulate: bool, cluster: ClusterConfig | None
-) -> Any:
+) -> Runner:
     devices = list(range(num_devices))
     if mode == "process":
         from torch_dtorch.cluster.runner import (
@@ -161,6 +162,9 @@ def shutdown() -> None:
     with _LOCK:
         rt, _SESSION = _SESSION, None
     TABLE.set_runtime(-1, None)
+    # the recipes of unbound tensors are keyed by operand id, and ids restart with the next session: an old
+    # recipe must not answer for a new operand (its tensors are unusable anyway)
+    binding._DEFERRED.clear()
     if rt is not None:
         try:
             rt.executor.shutdown()

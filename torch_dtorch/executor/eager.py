@@ -39,6 +39,7 @@ from torch_dtorch.executor.instructions import (
 )
 from torch_dtorch.executor.memory_check import memory_guard_for
 from torch_dtorch.executor.resolver import ValueRequest, ValueResolver
+from torch_dtorch.executor.runner import Runner
 from torch_dtorch.graph import LogicalGraph, Operand, Operator
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Placements, Replicate, local_shape_and_offset
@@ -57,8 +58,8 @@ class EagerGraphExecutor:
     """Streams operators to ``runner`` in batches.
 
     Args:
-        runner: a :class:`~torch_dtorch.executor.thread_runner.ThreadRunner` (or any runner with ``devices``,
-            ``store``, ``submit(batch)`` and ``shutdown()``). The executor owns it: :meth:`shutdown` stops it.
+        runner: a :class:`~torch_dtorch.executor.runner.Runner` (a ``ThreadRunner`` or a ``ClusterRunner``). The
+            executor owns it: :meth:`shutdown` stops it.
         batch_size: instructions per batch (default ``DTORCH_BATCH_SIZE``).
         flush_interval_ms: flush pending work after this long without a new op (default ``DTORCH_FLUSH_MS``).
         default_mesh / policy: passed to the :class:`GraphConstructor`.
@@ -66,7 +67,7 @@ class EagerGraphExecutor:
 
     def __init__(
         self,
-        runner: Any,
+        runner: Runner,
         *,
         batch_size: int | None = None,
         flush_interval_ms: float | None = None,

@@ -17,7 +17,7 @@ from torch_dtorch.cluster.transport import (
     encode,
     verify,
 )
-from torch_dtorch.cluster.transport.wire import VERSION
+from torch_dtorch.cluster.transport.wire import TENSOR_ALIGN, VERSION
 
 SECRET = secrets.token_bytes(32)
 
@@ -85,6 +85,19 @@ def test_tensor_frames_are_zero_copy_views() -> None:
     t[0] = 42.0  # the frame aliases the tensor's memory: mutating before the send completes breaks the tag
     with pytest.raises(AuthenticationError):
         decode(frames, secret=SECRET)
+
+
+def test_received_tensors_are_aligned_like_torchs_allocator() -> None:
+    # a frame may start at any address; an unaligned weight made a 1-row linear differ in its last bits from the
+    # controller's (vectorized BLAS kernels take another path), so process mode was not bit-identical
+    t = torch.randn(64, 32)
+    frames = encode([t], kind=MessageKind.VALUE, seq=1, sender="w0", secret=SECRET)
+    raw = bytearray(len(bytes(frames[2])) + 8)
+    for off in (4, 8):
+        shifted = memoryview(raw)[off : off + len(bytes(frames[2]))]
+        shifted[:] = bytes(frames[2])
+        got = decode([*frames[:2], shifted], secret=SECRET).body[0]
+        assert got.data_ptr() % TENSOR_ALIGN == 0 and torch.equal(got, t)
 
 
 def test_wrong_secret_is_rejected() -> None:

@@ -91,6 +91,9 @@ MAX_PAYLOAD_BYTES = _env_max_payload()
 
 Frame = bytes | bytearray | memoryview
 
+TENSOR_ALIGN = 64
+"""Received tensors start at a multiple of this many bytes, as torch's CPU allocator places them."""
+
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
@@ -352,7 +355,12 @@ def _dec_tensor(tree: dict[str, Any], bufs: list[memoryview]) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu")
     if buf.readonly:  # e.g. a bytes object: torch.frombuffer would warn about writes; copy once
         buf = memoryview(bytearray(buf))
-    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+    t = torch.frombuffer(buf, dtype=dtype).reshape(shape)
+    if t.data_ptr() % TENSOR_ALIGN:
+        # a frame's bytes start wherever the transport put them; vectorized CPU kernels (BLAS) take another code
+        # path on unaligned data and round differently (a linear's last bits changed): copy into torch's allocator
+        t = t.clone()
+    return t
 
 
 _JSON_PLAIN = frozenset({type(None), bool, int, float, str})
