@@ -25,7 +25,9 @@ threshold means nothing, so the skip pattern is fixed; the distance is still com
 ``inductor`` per step; ``--steps 28`` with fp8 + compile + a 50 % skip cache <= 1.5 s for the loop.
 
 Each mode runs ``--warmup`` untimed calls (compilation happens there) and ``--repeat`` timed calls; the table shows
-the median loop time, the time per step, and the ratio to ``inductor`` (target: ``dtorch-compiled`` <= 1.02).
+the median loop time, the time per step, the ratio to ``inductor`` (target: ``dtorch-compiled`` <= 1.02), and for dtorch
+modes the values fetched from the workers per call (each a sync; 1 when the denoising loop stays on the mesh, plus one
+per step with a step cache, whose skip decision reads a scalar).
 
     python bench/flux_gpu.py                           # FLUX.1-dev size, 1024x1024, 28 steps, every mode
     python bench/flux_gpu.py --model sd3               # SD3-medium size
@@ -37,12 +39,13 @@ the median loop time, the time per step, and the ratio to ``inductor`` (target: 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -94,6 +97,38 @@ class Row(NamedTuple):
     def name(self) -> str:
         name = self.mode + (f"+{self.quant}" if self.quant else "") + ("+fuse" if self.fuse else "")
         return name + (f"+cache{self.cache_skip:g}" if self.cache_skip else "")
+
+
+class Timing(NamedTuple):
+    """One row's result: the timed calls' loop times (s), the last call's latents, the step cache's skips, and the
+    values fetched from the workers per timed call (dtorch modes: 1 when the loop stays on the mesh)."""
+
+    times: list[float]
+    latents: torch.Tensor
+    skipped: str
+    fetches: float | None
+
+
+@contextlib.contextmanager
+def count_fetches(enabled: bool) -> Iterator[list[int]]:
+    """Count the controller's value fetches (``full_tensor``, ``item``: each a sync) while the block runs."""
+    count = [0]
+    if not enabled:
+        yield count
+        return
+    from torch_dtorch.executor.eager import EagerGraphExecutor
+
+    fetch = EagerGraphExecutor.fetch
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return fetch(self, *args, **kwargs)
+
+    EagerGraphExecutor.fetch = counting  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        EagerGraphExecutor.fetch = fetch  # type: ignore[method-assign]
 
 
 def rows(args: argparse.Namespace) -> list[Row]:
@@ -212,9 +247,7 @@ def prepare(row: Row, pipe: Any, args: argparse.Namespace) -> Any:
     return parallelize_pipeline(pipe, mesh, config)
 
 
-def time_mode(
-    row: Row, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
-) -> tuple[list[float], torch.Tensor, str]:
+def time_mode(row: Row, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Timing:
     mode = row.name
     pipe = build_pipeline(args, device, dtype)
     kw = call_kwargs(pipe, args, device, dtype)
@@ -228,12 +261,14 @@ def time_mode(
         sync()
         log.info("%s: warm-up call %d: %.2f s", mode, i, time.perf_counter() - t0)
     times = []
-    for _ in range(args.repeat):
-        sync()
-        t0 = time.perf_counter()
-        out = pipe(**kw, generator=torch.Generator().manual_seed(0)).images
-        sync()
-        times.append(time.perf_counter() - t0)
+    with count_fetches(row.mode not in BASELINES) as fetched:
+        for _ in range(args.repeat):
+            sync()
+            t0 = time.perf_counter()
+            out = pipe(**kw, generator=torch.Generator().manual_seed(0)).images
+            sync()
+            times.append(time.perf_counter() - t0)
+    fetches = None if row.mode in BASELINES else fetched[0] / args.repeat
     assert out is not None
     result = out.float().cpu()
     skipped = ""
@@ -250,7 +285,7 @@ def time_mode(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return times, result, skipped
+    return Timing(times, result, skipped, fetches)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,24 +335,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(1)
 
-    results: dict[str, tuple[list[float], torch.Tensor, str]] = {}
+    results: dict[str, Timing] = {}
     for row in rows(args):
         results[row.name] = time_mode(row, args, device, dtype)
     base_mode = "inductor" if "inductor" in results else next(iter(results))
-    base = statistics.median(results[base_mode][0])
-    ref = results[base_mode][1]
+    base = statistics.median(results[base_mode].times)
+    ref = results[base_mode].latents
     print(
         f"\n{args.model} ({'tiny' if args.tiny else 'full size'}), {args.size}x{args.size}, {args.steps} steps, "
         f"{str(dtype).removeprefix('torch.')}, {args.device}; median of {args.repeat} timed calls"
     )
     width = max(16, *(len(m) for m in results))
     head = f"{'mode':<{width}} {'loop s':>9} {'ms/step':>9} {'vs ' + base_mode:>13} {'skipped':>8}"
-    print(f"{head} {'max |latent diff|':>18}")
-    for mode, (times, out, skipped) in results.items():
-        t = statistics.median(times)
-        diff = float((out - ref).abs().max())
-        line = f"{mode:<{width}} {t:>9.3f} {t / args.steps * 1e3:>9.1f} {t / base:>13.3f} {skipped or '-':>8}"
-        print(f"{line} {diff:>18.3g}")
+    print(f"{head} {'fetch/call':>10} {'max |latent diff|':>18}")
+    for mode, r in results.items():
+        t = statistics.median(r.times)
+        diff = float((r.latents - ref).abs().max())
+        line = (
+            f"{mode:<{width}} {t:>9.3f} {t / args.steps * 1e3:>9.1f} {t / base:>13.3f} {r.skipped or '-':>8}"
+        )
+        fetches = "-" if r.fetches is None else f"{r.fetches:g}"
+        print(f"{line} {fetches:>10} {diff:>18.3g}")
     return 0
 
 

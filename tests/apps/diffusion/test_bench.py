@@ -24,3 +24,4 @@ def test_tiny_bench_runs(model: str, capsys: pytest.CaptureFixture[str]) -> None
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
     for mode in ("diffusers", "dtorch", "ulysses4"):
         assert float(rows[mode][-1]) < 1e-4, rows[mode]  # the latents agree with diffusers
+    assert rows["dtorch"][-2] == rows["ulysses4"][-2] == "1", rows  # one fetch per call, not one per step

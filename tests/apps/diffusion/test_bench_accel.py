@@ -31,6 +31,7 @@ def test_tiny_bench_acceleration_rows(model: str, quant: str, capsys: pytest.Cap
     ]
     for name in ["dtorch-compiled", *names]:
         assert name in rows, rows
-    assert rows[names[-1]][-2] == "2/4"  # the skipped column
+    assert rows[names[-1]][-3] == "2/4"  # the skipped column
+    assert rows["dtorch-compiled"][-2] == "1"  # fetches per call: the loop stays on the mesh
     assert float(rows["dtorch-compiled"][-1]) < 1e-4  # the unaccelerated row still equals diffusers
     assert float(rows[names[0]][-1]) > 0  # quantized: a different (not broken) result
