@@ -245,9 +245,9 @@ struct Template {
 
 enum Kind : int { kSingle = 0, kTuple = 1, kList = 2 };
 
-class FastKernel : public c10::OperatorKernel {
+class FastPathHandler : public c10::OperatorKernel {
  public:
-  FastKernel(py::object fastop, int kind, bool view, std::vector<int64_t> tensor_args)
+  FastPathHandler(py::object fastop, int kind, bool view, std::vector<int64_t> tensor_args)
       : fastop_(std::move(fastop)), kind_(kind), view_(view), tensor_args_(std::move(tensor_args)) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -574,7 +574,7 @@ void register_kernel(const std::string& ns, const std::string& name, py::object 
   auto lib = std::make_unique<torch::Library>(
       torch::Library::IMPL, ns, std::make_optional(c10::DispatchKey::PrivateUse1), __FILE__, __LINE__);
   lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
-                              std::make_unique<FastKernel>(std::move(fastop), kind, view, std::move(tensor_args))));
+                              std::make_unique<FastPathHandler>(std::move(fastop), kind, view, std::move(tensor_args))));
   g_libs->push_back(std::move(lib));
 }
 
