@@ -58,6 +58,21 @@ class RedistributeSpec(NamedTuple):
     cost: OperatorCost
     note: str
 
+    def operator_fields(self, x: Operand, y: Operand) -> dict[str, Any]:
+        """The fields of the redistribute operator that moves ``x`` to ``y`` (besides its id and op), the same
+        whether the constructor records it or the fast path expands a hit."""
+        return {
+            "args": (x,),
+            "kwargs": {},
+            "inputs": [x],
+            "outputs": [y],
+            "family": "collective",
+            "assign": self.assign,
+            "cost": self.cost,
+            "note": self.note,
+            "payload": self.plan,
+        }
+
 
 def redistribute_spec(
     x: Operand, mesh: DeviceMesh, root_placements: Placements, *, user_mesh: DeviceMesh | None = None
@@ -330,18 +345,7 @@ class GraphConstructor:
             TensorMeta(x.shape, x.dtype), spec.out_mesh, spec.out_placements, requires_grad=x.requires_grad
         )
         y.copy_of = x
-        self._emit(
-            REDISTRIBUTE,
-            args=(x,),
-            kwargs={},
-            inputs=[x],
-            outputs=[y],
-            family="collective",
-            assign=spec.assign,
-            cost=spec.cost,
-            note=spec.note,
-            payload=spec.plan,
-        )
+        self._emit(REDISTRIBUTE, **spec.operator_fields(x, y))
         return y
 
     def _emit(self, op: Any, **fields: Any) -> Operator:

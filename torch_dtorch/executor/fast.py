@@ -53,19 +53,7 @@ def replay_moves(
             requires_grad=x.requires_grad,
             copy_of=x,
         )
-        node = Operator(
-            id=first_op + k,
-            op=REDISTRIBUTE,
-            args=(x,),
-            kwargs={},
-            inputs=[x],
-            outputs=[y],
-            family="collective",
-            assign=spec.assign,
-            cost=spec.cost,
-            note=spec.note,
-            payload=spec.plan,
-        )
+        node = Operator(id=first_op + k, op=REDISTRIBUTE, **spec.operator_fields(x, y))
         out.append(Redistribute(node, call_site))
         inputs[slot] = y
         largs[pos] = y
