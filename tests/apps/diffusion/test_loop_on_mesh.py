@@ -142,3 +142,22 @@ def test_scheduler_swapped_after_parallelize(monkeypatch: pytest.MonkeyPatch) ->
         got = run(pipe, 3)
     assert counts == {"fetch": 1, "sync": 0}, counts
     assert psnr(got, run(tiny_pipeline("sd3"), 3)) >= MIN_PSNR
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 7.0])
+def test_sd3_patch_embedding_takes_row_sharded_latents(guidance_scale: float) -> None:
+    """SD3 on 2 CP devices (batch 1 without guidance, the guidance batch of 2 with it): the latents stay row-sharded
+    from step to step and the patch-embedding convolution (kernel == stride: no halo) takes them so — no all-gather
+    in the loop (it was one of the latents per step); the images equal single-device diffusers."""
+    pipe = parallelize_pipeline(
+        tiny_pipeline("sd3"), dt.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    )
+    with dt.profile() as prof:
+        got = run(pipe, 3, guidance_scale=guidance_scale)
+    convs = [s for s in prof.spans if s.name == "aten.convolution"]
+    assert len(convs) == 3 * 2 and all(s.args["out"].endswith("S(2)") for s in convs), (
+        convs
+    )  # 3 steps, 2 ranks
+    plans = [str(s.args.get("plan", "")) for s in prof.spans if s.category == "collective"]
+    assert not [p for p in plans if "all_gather" in p], plans
+    assert psnr(got, run(tiny_pipeline("sd3"), 3, guidance_scale=guidance_scale)) >= MIN_PSNR

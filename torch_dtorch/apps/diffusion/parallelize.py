@@ -61,8 +61,9 @@ class _Family:
 
     pipeline: str
     #: where context parallelism starts splitting the image sequence: ``hidden_states`` dim 1 (FLUX: packed tokens
-    #: go straight into a linear), or the output of this submodule (SD3: the patch-embedding convolution has no
-    #: rule for sharded rows, so its input stays whole and its ``[B, tokens, D]`` output is sliced, locally)
+    #: go straight into a linear), or this submodule (SD3: the patch-embedding convolution takes row-sharded latents
+    #: when the patch rows divide over the mesh — a patchify needs no halo; otherwise the latents enter whole and
+    #: its ``[B, tokens, D]`` output is sliced, locally)
     embed_module: str | None
     #: whether the pipeline batches the classifier-free-guidance halves through one transformer call
     cfg_batch: bool
@@ -245,12 +246,24 @@ class _Runner:
             if fam.embed_module is None:
                 for a in plan.cp:
                     pl[a] = Shard(1)
+            elif self.rows_split(x):
+                for a in plan.cp:
+                    pl[a] = Shard(x.ndim - 2)  # the latent rows: the patchify convolution keeps them sharded
         if plan.cp and name == "encoder_hidden_states":
             for a in (
                 plan.cp
             ):  # text tokens too (uneven shards are exact): the joint cat keeps the sequence sharded
                 pl[a] = Shard(1)
         return pl
+
+    def rows_split(self, x: torch.Tensor) -> bool:
+        """Whether SD3's latents ``[B, C, H, W]`` enter the transformer row-sharded on the CP axes: the patch
+        embedding (a convolution with kernel == stride == patch size) then runs on each device's rows without a
+        gather (``placement_rules/families/spatial.py``, the halo-free signature) when the patch rows divide evenly
+        over the whole mesh; otherwise the latents stay whole and the embedding's output is sliced."""
+        return (x.shape[-2] // self.patch_size) % math.prod(self.plan.mesh.shape) == 0 and (
+            x.shape[-2] % self.patch_size == 0
+        )
 
     def place(self, name: str, x: Any) -> Any:
         """``x`` on the mesh with the placements of input ``name``: a host tensor is distributed (once while it is

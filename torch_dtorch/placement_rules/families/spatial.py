@@ -7,8 +7,12 @@ Signatures (one mesh axis), for an op acting on the last ``k`` (spatial) dims of
   windows and halos cross shard borders, so the matcher gathers that dim first (cost-ordered, logged).
 - ``constant_pad_nd``: ``S(d) -> S(d)`` for every dim the pad leaves alone.
 - ``convolution``: ``input S(0)`` (batch), ``weight R``, ``bias R`` -> ``S(0)``; ``input R``, ``weight S(0)`` and
-  ``bias S(0)`` (output channels) -> ``S(1)`` (``groups == 1``, not transposed). Cost: ``2 · N · C_out · C_in/g ·
-  prod(kernel) · prod(out spatial)`` FLOPs.
+  ``bias S(0)`` (output channels) -> ``S(1)`` (``groups == 1``, not transposed); and, for a *halo-free* spatial dim
+  (kernel == stride, no padding, no dilation, not transposed: a patchify such as SD3's patch embedding), ``input
+  S(d)``, ``weight R``, ``bias R`` -> ``S(d)`` when every rank's block of the input is exactly ``stride`` times its
+  block of the output (checked on the concrete mesh for every set of axes that could shard the dim; uneven shards
+  that cut a patch get no signature and are gathered). Cost: ``2 · N · C_out · C_in/g · prod(kernel) · prod(out
+  spatial)`` FLOPs.
 - ``channel_shuffle`` / ``pixel_shuffle`` / ``pixel_unshuffle``: ``S(0) -> S(0)`` (batch) for batched inputs.
 - ``grid_sampler_*``, ``max_unpool*``, ``col2im``: Replicate only.
 """
@@ -16,12 +20,14 @@ Signatures (one mesh axis), for an op acting on the last ``k`` (spatial) dims of
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from itertools import chain, combinations, product
 from typing import Any
 
 import torch
 
 from torch_dtorch.graph import OperatorCost
-from torch_dtorch.placement import Replicate, Shard
+from torch_dtorch.placement import Replicate, Shard, chunk_size_and_offset
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.families.indexing import keep_dim_signatures
 from torch_dtorch.placement_rules.rule import register_rule
@@ -123,7 +129,55 @@ def convolution(call: OpCall) -> list[PlacementSignature]:
     if int(call.arg("groups", 1)) == 1 and not call.arg("transposed"):
         bias = [Shard(0)] if has_bias else ([_R] if n > 2 else [])
         sigs.append(sig([_R, Shard(0), *bias], Shard(1 if batched else 0)))
+    for d in _halo_free_dims(call):
+        sigs.append(sig([Shard(d)] + [_R] * (n - 1), Shard(d)))
     return sigs
+
+
+def _blocks_agree(
+    size_in: int, size_out: int, stride: int, mesh_shape: Sequence[int], axes: Sequence[int]
+) -> bool:
+    """Whether sharding a dim of ``size_in`` and its output of ``size_out`` over ``axes`` (nested, first axis
+    first) gives every rank an input block of exactly ``stride`` times its output block."""
+    for coord in product(*(range(mesh_shape[a]) for a in axes)):
+        start_in, len_in, start_out, len_out = 0, size_in, 0, size_out
+        for a, c in zip(axes, coord, strict=True):
+            len_in, off_in = chunk_size_and_offset(len_in, mesh_shape[a], c)
+            len_out, off_out = chunk_size_and_offset(len_out, mesh_shape[a], c)
+            start_in, start_out = start_in + off_in, start_out + off_out
+        if len_in != stride * len_out or (len_out and start_in != stride * start_out):
+            return False
+    return True
+
+
+def _halo_free_dims(call: OpCall) -> list[int]:
+    """Spatial dims of a convolution's input that may stay sharded: each output element reads one window that
+    lies inside one input block (kernel == stride, padding 0, dilation 1, not transposed), and the blocks of input
+    and output agree on every rank for every set of mesh axes that could shard the dim."""
+    x, w = call.inputs[0], call.inputs[1]
+    assert x is not None and w is not None
+    if call.arg("transposed"):
+        return []
+    stride, padding, dilation = (
+        list(call.arg("stride")),
+        list(call.arg("padding")),
+        list(call.arg("dilation")),
+    )
+    k = len(stride)
+    kernel = list(w.shape[2:])
+    mesh_shape = call.mesh.shape if call.mesh is not None else ()
+    axes = range(len(mesh_shape))
+    subsets = list(chain.from_iterable(combinations(axes, r) for r in range(1, len(mesh_shape) + 1)))
+    out_shape = call.out_meta[0].shape
+    dims = []
+    for i in range(k):
+        d = x.ndim - k + i
+        s = int(stride[i])
+        if kernel[i] != s or int(padding[i]) != 0 or int(dilation[i]) != 1 or x.shape[d] != s * out_shape[d]:
+            continue
+        if all(_blocks_agree(x.shape[d], out_shape[d], s, mesh_shape, sub) for sub in subsets):
+            dims.append(d)
+    return dims
 
 
 @register_rule(
