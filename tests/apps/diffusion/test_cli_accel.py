@@ -29,6 +29,14 @@ def test_cache_quant_fuse_flags(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "tea cache (threshold 1000): skipped 2 of 4 steps [1, 2]" in capsys.readouterr().out
 
 
+def test_vae_flags(tmp_path: Path) -> None:
+    from PIL import Image
+
+    argv = ["diffuse", "--steps", "2", "--height", "64", "--width", "64", "--vae-tiling", "--vae-parallel"]
+    assert cli.main([*argv, "--out", str(tmp_path / "b.png")]) == 0
+    assert Image.open(tmp_path / "b.png").size == (64, 64)
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [

@@ -51,6 +51,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weights and activations")
     p.add_argument("--vae-tiling", action="store_true", help="decode the latents tile by tile")
     p.add_argument(
+        "--vae-parallel",
+        action="store_true",
+        help="decode on the mesh: images (with --vae-tiling, every tile) sharded over all devices",
+    )
+    p.add_argument(
         "--cache",
         metavar="KIND[:THRESHOLD]",
         default=None,
@@ -118,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
             cp_mode=args.cp_mode,
             compile=args.compile,
             vae_tiling=args.vae_tiling,
+            vae_parallel=args.vae_parallel,
             cache=CacheConfig.parse(args.cache) if args.cache else None,
             quant=QuantizeConfig(kind=args.quant) if args.quant else None,
             fuse=FuseConfig() if args.fuse else None,

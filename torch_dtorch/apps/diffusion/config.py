@@ -145,6 +145,10 @@ class ExecuteConfig:
             ``"inductor"``, ``"eager"``, or ``"auto"`` — inductor on CUDA meshes, eager on CPU meshes.
         cudagraphs: CUDA workers capture their inductor-compiled segments in CUDA graphs.
         vae_tiling: decode the latents tile by tile (``AutoencoderKL.enable_tiling``): less memory at large sizes.
+        vae_parallel: decode on the mesh (:mod:`~torch_dtorch.apps.diffusion.vae`): the VAE decoder replicated on
+            every device, the images — with ``vae_tiling`` every tile of every image — sharded over all of them;
+            the same image as diffusers' decode (tiled: diffusers' tiles and blending). Pays from 4 devices at
+            1024x1024 with tiling; the text encoders always run on the host device (once per prompt).
         cache: skip transformer blocks on steps whose input barely changed (:class:`CacheConfig`).
         quant: quantized linears (:class:`QuantizeConfig`).
         fuse: fused operators (:class:`FuseConfig`).
@@ -155,6 +159,7 @@ class ExecuteConfig:
     worker_compiler: Literal["auto", "eager", "inductor"] = "auto"
     cudagraphs: bool = False
     vae_tiling: bool = False
+    vae_parallel: bool = False
     cache: CacheConfig | None = None
     quant: QuantizeConfig | None = None
     fuse: FuseConfig | None = None

@@ -11,7 +11,9 @@ What is adapted (nothing in diffusers is edited):
   runs on the dtorch output, and the latents come back to the host once, after the last step (no per-step sync).
 - Inputs that do not change between steps (prompt embeddings, ids, guidance) are placed once and reused.
 - **Text encoders and the VAE** run on one device (the host: the CPU, or ``cuda:0`` for CUDA meshes); they are a
-  small part of the time at the resolutions that need a mesh. The VAE decode is optionally tiled.
+  small part of the time at the resolutions that need a mesh. The VAE decode is optionally tiled
+  (``vae_tiling``) and optionally on the mesh (``vae_parallel``: the decoder replicated, images and tiles sharded
+  over every device; :mod:`~torch_dtorch.apps.diffusion.vae`).
 
 Mesh axes (by name): ``"cfg"`` shards the classifier-free-guidance batch (SD3 runs the conditional and
 unconditional halves in one batch); ``"cp"`` shards the joint image + text sequence (``ExecuteConfig.cp_mode``:
@@ -39,6 +41,7 @@ import torch_dtorch as dt
 from torch_dtorch.apps.diffusion.accelerate import apply_accelerations, compiles_whole_forward
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
 from torch_dtorch.apps.diffusion.loop import host_call, keep_loop_on_mesh
+from torch_dtorch.apps.diffusion.vae import decode_on_mesh
 from torch_dtorch.backend import dtorch_backend
 from torch_dtorch.backend.place import mesh_key, place
 from torch_dtorch.device.tensors import is_dtorch
@@ -453,6 +456,8 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
             component.to(host)
     if config.vae_tiling and getattr(pipe, "vae", None) is not None:
         pipe.vae.enable_tiling()
+    if config.vae_parallel and getattr(pipe, "vae", None) is not None:
+        decode_on_mesh(pipe.vae, plan.mesh)
     transformer.eval()
     apply_accelerations(pipe, transformer, plan.mesh, config)  # quantization, fused ops, step cache
     _distribute_transformer(transformer, plan)
