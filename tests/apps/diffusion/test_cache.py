@@ -187,3 +187,35 @@ def test_generations_restart_the_cache_and_bad_configs_are_refused() -> None:
         CacheConfig.parse("fbc:abc")
     assert CacheConfig.parse("tea:0.4") == CacheConfig(kind="tea", threshold=0.4)
     assert CacheConfig.parse("fbc").resolved_threshold == 0.12
+
+
+@pytest.mark.parametrize(
+    "kind,layout,compile",
+    [("fbc", "cp2", False), ("tea", "tp2", False), pytest.param("fbc", "cp2", True, marks=pytest.mark.slow)],
+)
+def test_one_scalar_fetch_per_step(
+    monkeypatch: pytest.MonkeyPatch, kind: str, layout: str, compile: bool
+) -> None:
+    """The mesh-wide decision costs exactly one fetch per step after the first — of a 0-d value (the distance) —
+    plus the one fetch of the final latents per call; no sync."""
+    from torch_dtorch.executor.eager import EagerGraphExecutor
+
+    pipe, _ = _parallel("flux", layout, CacheConfig(kind=kind, threshold=0.0), compile=compile)  # type: ignore[arg-type]
+    shapes: list[tuple[int, ...]] = []
+    syncs: list[int] = []
+    fetch, sync = EagerGraphExecutor.fetch, EagerGraphExecutor.sync
+
+    def spy_fetch(self: EagerGraphExecutor, operand: object, *args: object, **kwargs: object) -> object:
+        shapes.append(tuple(operand.shape))  # type: ignore[attr-defined]
+        return fetch(self, operand, *args, **kwargs)  # type: ignore[arg-type]
+
+    def spy_sync(self: EagerGraphExecutor, *args: object, **kwargs: object) -> None:
+        syncs.append(1)
+        sync(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EagerGraphExecutor, "fetch", spy_fetch)
+    monkeypatch.setattr(EagerGraphExecutor, "sync", spy_sync)
+    _generate(pipe)
+    scalars = [s for s in shapes if s == ()]
+    assert len(scalars) == STEPS - 1 and len(shapes) == STEPS, shapes  # + the final latents
+    assert not syncs

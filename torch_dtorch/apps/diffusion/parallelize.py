@@ -39,6 +39,7 @@ from torch import nn
 
 import torch_dtorch as dt
 from torch_dtorch.apps.diffusion.accelerate import apply_accelerations, compiles_whole_forward
+from torch_dtorch.apps.diffusion.cache import CachedBlocks
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
 from torch_dtorch.apps.diffusion.loop import host_call, keep_loop_on_mesh
 from torch_dtorch.apps.diffusion.vae import decode_on_mesh
@@ -340,7 +341,9 @@ def _keep_sequence_sharded(transformer: nn.Module, plan: MeshPlan) -> None:
 
     for name in _BLOCK_LISTS:
         for block in getattr(transformer, name, None) or ():
-            block.register_forward_hook(hook)
+            # a step cache holds every block itself (CachedBlocks): hook the blocks inside it
+            for inner in block.blocks if isinstance(block, CachedBlocks) else (block,):
+                inner.register_forward_hook(hook)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
