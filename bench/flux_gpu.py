@@ -29,11 +29,22 @@ the median loop time, the time per step, the ratio to ``inductor`` (target: ``dt
 modes the values fetched from the workers per call (each a sync; 1 when the denoising loop stays on the mesh, plus one
 per step with a step cache, whose skip decision reads a scalar).
 
+At full size every compiled mode spends about two minutes compiling in its warm-up call (FLUX.1-dev: inductor
+125 s, dtorch 120 s, docs/benchmarks.md), so a run with several compiled rows may not fit a device session's command
+limit: run one or two rows per command with ``--save FILE`` and print them as one table, with the targets, by
+``--report FILE ...`` (runs nothing; the rows must share model, size, dtype and device). The table's last lines are
+the three targets — ``dtorch-compiled / inductor`` <= 1.02, ``dtorch-compiled+fp8 / inductor`` <= 0.80, and the
+28-step loop of the fastest ``dtorch-compiled+fp8`` row with ``--cache-skip 0.5`` <= 1.5 s — each ``met``,
+``NOT met`` or ``not run``.
+
     python bench/flux_gpu.py                           # FLUX.1-dev size, 1024x1024, 28 steps, every mode
     python bench/flux_gpu.py --model sd3               # SD3-medium size
     python bench/flux_gpu.py --modes inductor dtorch-compiled --layers 4 8
     python bench/flux_gpu.py --modes inductor dtorch-compiled --quant fp8 --fuse --cache-skip 0.5
     python bench/flux_gpu.py --tiny                    # tiny widths on the CPU: checks that every path runs
+    python bench/flux_gpu.py --modes inductor --save a.pt      # one compiled row per command ...
+    python bench/flux_gpu.py --modes dtorch-compiled --quant fp8 --accelerated-only --save b.pt
+    python bench/flux_gpu.py --report a.pt b.pt        # ... one table and the targets
 """
 
 from __future__ import annotations
@@ -142,7 +153,8 @@ def rows(args: argparse.Namespace) -> list[Row]:
         steps.append({"cache_skip": args.cache_skip})
     out = []
     for mode in args.modes:
-        out.append(Row(mode))
+        if mode in BASELINES or not steps or not args.accelerated_only:
+            out.append(Row(mode))
         if mode in BASELINES or not steps:
             continue
         acc: dict[str, Any] = {}
@@ -288,6 +300,101 @@ def time_mode(row: Row, args: argparse.Namespace, device: torch.device, dtype: t
     return Timing(times, result, skipped, fetches)
 
 
+class Result(NamedTuple):
+    """One row as saved (``--save``) and reported: the row, its timing, the run's settings."""
+
+    row: Row
+    timing: Timing
+    steps: int
+    setting: str  # model, size, dtype, device: rows compare only within one setting
+
+
+#: the issue's targets: (what, row name or predicate, limit)
+LOOP_TARGET_S = 1.5
+
+
+def _setting(args: argparse.Namespace, dtype: torch.dtype) -> str:
+    return (
+        f"{args.model} ({'tiny' if args.tiny else 'full size'}"
+        + (f", layers {args.layers[0]}+{args.layers[1]}" if args.layers else "")
+        + f"), {args.size}x{args.size}, {str(dtype).removeprefix('torch.')}, {args.device}"
+    )
+
+
+def _per_step(r: Result) -> float:
+    return statistics.median(r.timing.times) / r.steps
+
+
+def _targets(results: list[Result]) -> list[str]:
+    """The issues' three targets, each with its measured value (or why it is missing)."""
+    by_name = {r.row.name: r for r in results}
+    base = by_name.get("inductor")
+    lines = ["targets (issues 21 / 22; the limits are for one H200, full size, 1024x1024, bf16):"]
+
+    def ratio(name: str, limit: float, what: str) -> None:
+        r = by_name.get(name)
+        if base is None or r is None:
+            missing = " and ".join(n for n in ("inductor", name) if n not in by_name)
+            lines.append(f"  {what:<52} {'-':>8}  <= {limit:<5g} not run ({missing} missing)")
+            return
+        v = _per_step(r) / _per_step(base)
+        lines.append(f"  {what:<52} {v:>8.3f}  <= {limit:<5g} {'met' if v <= limit else 'NOT met'}")
+
+    ratio("dtorch-compiled", 1.02, "ratio: dtorch-compiled / inductor, whole step")
+    ratio("dtorch-compiled+fp8", 0.80, "ratio: dtorch-compiled+fp8 / inductor (bf16)")
+    loop = [
+        r for r in results
+        if r.row.mode == "dtorch-compiled" and r.row.quant == "fp8" and r.row.cache_skip == 0.5
+    ]  # fmt: skip
+    what = "loop: 28 steps, fp8 + compile + 50 % skip cache"
+    if not loop:
+        lines.append(f"  {what:<52} {'-':>8}  <= {LOOP_TARGET_S:<5g} not run (--quant fp8 --cache-skip 0.5)")
+    else:
+        best = min(loop, key=_per_step)
+        seconds = _per_step(best) * 28
+        note = "" if best.steps == 28 else f" (from {best.steps} steps)"
+        verdict = "met" if seconds <= LOOP_TARGET_S else "NOT met"
+        lines.append(
+            f"  {what:<52} {seconds:>7.2f}s  <= {LOOP_TARGET_S:<5g} {verdict}: {best.row.name}{note}"
+        )
+    return lines
+
+
+def report(results: list[Result]) -> None:
+    """The table (every row against ``inductor``, else the first row) and the targets."""
+    settings = sorted({r.setting for r in results})
+    if len(settings) > 1:
+        sys.exit(f"flux_gpu --report: the files mix settings {settings}; report each setting by itself")
+    names = [r.row.name for r in results]
+    base = results[names.index("inductor")] if "inductor" in names else results[0]
+    steps = sorted({r.steps for r in results})
+    print(f"\n{settings[0]}, {'/'.join(map(str, steps))} steps; median of the timed calls")
+    width = max(16, *(len(n) for n in names))
+    head = f"{'mode':<{width}} {'loop s':>9} {'ms/step':>9} {'vs ' + base.row.name:>13} {'skipped':>8}"
+    print(f"{head} {'fetch/call':>10} {'max |latent diff|':>18}")
+    for r in results:
+        t = statistics.median(r.timing.times)
+        diff = float((r.timing.latents - base.timing.latents).abs().max())
+        line = f"{r.row.name:<{width}} {t:>9.3f} {_per_step(r) * 1e3:>9.1f} {_per_step(r) / _per_step(base):>13.3f}"
+        fetches = "-" if r.timing.fetches is None else f"{r.timing.fetches:g}"
+        print(f"{line} {r.timing.skipped or '-':>8} {fetches:>10} {diff:>18.3g}")
+    print("\n".join(_targets(results)))
+
+
+def save(path: str, results: list[Result]) -> None:
+    """``results`` as a torch file that ``--report`` reads (rows of several runs combine into one table)."""
+    torch.save([r._asdict() | {"row": r.row._asdict(), "timing": r.timing._asdict()} for r in results], path)
+
+
+def load(paths: list[str]) -> list[Result]:
+    out = []
+    for path in paths:
+        for raw in torch.load(path, weights_only=False):
+            row, timing = Row(**raw.pop("row")), Timing(**raw.pop("timing"))
+            out.append(Result(row=row, timing=timing, **raw))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", choices=("flux", "sd3"), default="flux")
@@ -320,8 +427,25 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="one row per added acceleration (default) or only the row with all of them (--no-ladder)",
     )
+    parser.add_argument(
+        "--accelerated-only",
+        action="store_true",
+        help="with --quant/--fuse/--cache-skip: leave out the dtorch modes' plain rows",
+    )
+    parser.add_argument("--save", metavar="FILE", default=None, help="also save the rows for --report")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="print one table and the targets from files of --save (several runs: e.g. one compiled mode each, "
+        "when a full-size compile per mode does not fit one command); runs nothing",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.report:
+        report(load(args.report))
+        return 0
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     args.size = args.size or (64 if args.tiny else 1024)
     args.steps = args.steps or (4 if args.tiny else 28)
@@ -335,27 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(1)
 
-    results: dict[str, Timing] = {}
+    setting = _setting(args, dtype)
+    results = []
     for row in rows(args):
-        results[row.name] = time_mode(row, args, device, dtype)
-    base_mode = "inductor" if "inductor" in results else next(iter(results))
-    base = statistics.median(results[base_mode].times)
-    ref = results[base_mode].latents
-    print(
-        f"\n{args.model} ({'tiny' if args.tiny else 'full size'}), {args.size}x{args.size}, {args.steps} steps, "
-        f"{str(dtype).removeprefix('torch.')}, {args.device}; median of {args.repeat} timed calls"
-    )
-    width = max(16, *(len(m) for m in results))
-    head = f"{'mode':<{width}} {'loop s':>9} {'ms/step':>9} {'vs ' + base_mode:>13} {'skipped':>8}"
-    print(f"{head} {'fetch/call':>10} {'max |latent diff|':>18}")
-    for mode, r in results.items():
-        t = statistics.median(r.times)
-        diff = float((r.latents - ref).abs().max())
-        line = (
-            f"{mode:<{width}} {t:>9.3f} {t / args.steps * 1e3:>9.1f} {t / base:>13.3f} {r.skipped or '-':>8}"
-        )
-        fetches = "-" if r.fetches is None else f"{r.fetches:g}"
-        print(f"{line} {fetches:>10} {diff:>18.3g}")
+        results.append(Result(row, time_mode(row, args, device, dtype), args.steps, setting))
+    if args.save:
+        save(args.save, results)
+    report(results)
     return 0
 
 

@@ -25,3 +25,25 @@ def test_tiny_bench_runs(model: str, capsys: pytest.CaptureFixture[str]) -> None
     for mode in ("diffusers", "dtorch", "ulysses4"):
         assert float(rows[mode][-1]) < 1e-4, rows[mode]  # the latents agree with diffusers
     assert rows["dtorch"][-2] == rows["ulysses4"][-2] == "1", rows  # one fetch per call, not one per step
+
+
+def test_saved_rows_report_as_one_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rows of separate runs (``--save``) print as one table with the targets (``--report``); a target whose rows
+    were not run says so."""
+    spec = importlib.util.spec_from_file_location("flux_gpu_report", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    common = ["--tiny", "--steps", "2", "--warmup", "0", "--repeat", "1"]
+    assert bench.main([*common, "--modes", "diffusers", "--save", str(tmp_path / "a.pt")]) == 0
+    assert bench.main([*common, "--modes", "dtorch", "--save", str(tmp_path / "b.pt")]) == 0
+    capsys.readouterr()
+    assert bench.main(["--report", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["diffusers"][3] == "1.000" and float(rows["dtorch"][-1]) < 1e-4, rows
+    assert (
+        "dtorch-compiled / inductor, whole step" in out
+        and "not run (inductor and dtorch-compiled missing)" in out
+    )
+    assert "not run (--quant fp8 --cache-skip 0.5)" in out
