@@ -29,12 +29,13 @@ def test_cache_quant_fuse_flags(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "tea cache (threshold 1000): skipped 2 of 4 steps [1, 2]" in capsys.readouterr().out
 
 
-def test_vae_flags(tmp_path: Path) -> None:
+def test_vae_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from PIL import Image
 
     argv = ["diffuse", "--steps", "2", "--height", "64", "--width", "64", "--vae-tiling", "--vae-parallel"]
     assert cli.main([*argv, "--out", str(tmp_path / "b.png")]) == 0
     assert Image.open(tmp_path / "b.png").size == (64, 64)
+    assert "VAE tiled, VAE decode on the mesh" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -184,6 +184,8 @@ def main(args: argparse.Namespace) -> int:
         f"compile {args.compile}"
         + "".join(f", {k} {v}" for k, v in (("cache", args.cache), ("quant", args.quant)) if v)
         + (", fused ops" if args.fuse else "")
+        + (", VAE tiled" if args.vae_tiling else "")
+        + (", VAE decode on the mesh" if args.vae_parallel else "")
     )
     if steps:  # the loop runs ahead of the devices (no per-step sync): a step's stamp is its issue time
         print(
