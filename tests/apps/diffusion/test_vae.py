@@ -75,3 +75,13 @@ def test_encoding_stays_on_the_host() -> None:
     got = pipe.vae.encode(image).latent_dist.mean
     want = tiny_pipeline("sd3").vae.encode(image).latent_dist.mean
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.slow
+def test_mesh_decode_in_process_mode() -> None:
+    """Worker processes: the decoder's weights are uploaded once, the tiles travel as the batch."""
+    mesh = dt.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",), mode="process")
+    config = ExecuteConfig(vae_parallel=True, vae_tiling=True)
+    pipe = parallelize_pipeline(tiny_pipeline("sd3"), mesh, config)
+    got = generate(pipe, height=SIZE, width=SIZE)
+    assert psnr(got, _reference("sd3", tiling=True)) >= MIN_PSNR
