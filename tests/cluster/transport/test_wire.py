@@ -22,14 +22,15 @@ from torch_dtorch.cluster.transport.wire import TENSOR_ALIGN, VERSION
 SECRET = secrets.token_bytes(32)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+
 def _same(a: object, b: object) -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor)
         assert a.dtype == b.dtype and a.shape == b.shape and b.is_contiguous()
-        assert (
-            torch.equal(a.contiguous().view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-            or a.numel() == 0
-        )
+        assert torch.equal(_bytes(a), _bytes(b)) or a.numel() == 0
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b)  # type: ignore[arg-type]
         for x, y in zip(a, b):  # type: ignore[call-overload]
@@ -75,6 +76,22 @@ def test_round_trip_nested_payload_bit_exact() -> None:
     assert (msg.kind, msg.seq, msg.sender, msg.session) == (MessageKind.BATCH, 5, "controller", 9)
     _same(body, msg.body)
     assert msg.body["idx"].stride() == (6, 3, 1) and msg.body["scalar"].dim() == 0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(()).expand(1, 1),  # contiguous (size-1 dims), yet its flat view has stride 0
+        lambda: torch.tensor([2.5]).expand(1, 1, 1),
+        lambda: torch.arange(3.0)[1:2].expand(1, 1),
+        lambda: torch.ones(1).expand(5),
+    ],
+    ids=["0d-to-1x1", "1-to-1x1x1", "offset", "broadcast-5"],
+)
+def test_expanded_tensors_round_trip(make: object) -> None:
+    t = make()  # type: ignore[operator]
+    frames = encode({"t": t}, kind=MessageKind.VALUE, seq=1, sender="w0", secret=SECRET)
+    _same({"t": t}, decode(frames, secret=SECRET).body)
 
 
 def test_tensor_frames_are_zero_copy_views() -> None:

@@ -277,7 +277,10 @@ def _tensor_frame(t: torch.Tensor) -> Frame:
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return b""
-    return t.reshape(-1).view(torch.uint8).numpy().data  # a memoryview; keeps the array alive
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # one element broadcast (e.g. ones(()).expand(1, 1)): contiguous, yet stride 0
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().data  # a memoryview; keeps the array alive
 
 
 #: JSON scalars passed through as they are (exact types: subclasses such as IntEnum take the general path)
