@@ -116,3 +116,50 @@ def test_reshard_after_forward_frees_gathered_parameters(monkeypatch: pytest.Mon
     assert live[True] < live[False] - 64 * 6, live  # at least the gathered in_proj weight is gone
     for a, b in zip(grads[False], grads[True], strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fsdp_gradients_versus_upstream_averaging(reduction: str) -> None:
+    """What a port of an FSDP2 script gets. Upstream, each dp rank's loss is over its local batch and FSDP2
+    averages the reduce-scattered gradients over dp (its gradient divide factor is the dp size). dtorch's loss is
+    over the global batch and its gradient is that loss's exact gradient (the Partial over dp is summed): equal to
+    single-device torch on the global batch in both cases, equal to upstream for a mean loss, ``dp`` times
+    upstream's for a summed loss (docs/training.md, "FSDP gradients")."""
+    dp = 2
+    torch.manual_seed(0)
+    ref = MLP()
+    mesh = init_mesh((dp,), mesh_dim_names=("dp",))
+    model = dt.fully_shard(twin(ref), mesh)
+    x, y = torch.randn(8, 6), torch.randn(8, 5)
+
+    def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target, reduction=reduction)
+
+    loss_of(
+        model(dt.distribute_tensor(x, mesh, [Shard(0)])), dt.distribute_tensor(y, mesh, [Shard(0)])
+    ).backward()
+    loss_of(ref(x), y).backward()
+    assert_grads_close(model.named_parameters(), ref.named_parameters())  # single-device torch, global batch
+    # upstream FSDP2: every rank's local loss, gradients averaged over the dp ranks
+    upstream = {name: torch.zeros_like(p) for name, p in ref.named_parameters()}
+    for xs, ys in zip(x.chunk(dp), y.chunk(dp), strict=True):
+        local = twin(ref)
+        local.zero_grad(set_to_none=True)
+        loss_of(local(xs), ys).backward()
+        for name, p in local.named_parameters():
+            upstream[name] += p.grad / dp
+    factor = 1.0 if reduction == "mean" else float(dp)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.grad.full_tensor(), factor * upstream[name], atol=1e-5, rtol=1e-5, msg=name
+        )
+
+
+def test_mesh_rank_queries_explain_single_controller() -> None:
+    """Upstream's per-process mesh queries (the torchrun boilerplate of a port) raise, saying why and what to do."""
+    mesh = init_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    for call in (mesh["dp"].get_local_rank, mesh.get_rank, mesh.get_coordinate):
+        with pytest.raises(MeshError, match="no current rank.*distribute_tensor"):
+            call()
+    with pytest.raises(MeshError, match="no process group.*redistribute"):
+        mesh.get_group("tp")
