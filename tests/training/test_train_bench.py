@@ -1,5 +1,5 @@
-"""``bench/train_gpu.py --tiny`` runs every mode of the training benchmark on the CPU (torch, inductor, dtorch eager and compiled);
-in float32 the first step's loss of every dtorch mode equals torch's."""
+"""``bench/train_gpu.py --tiny`` runs every mode of the training benchmark on the CPU (torch, inductor, dtorch
+eager and compiled); in float32 the first step's loss of every mode equals torch's."""
 
 from __future__ import annotations
 
