@@ -32,6 +32,15 @@ def current_mesh() -> DeviceMesh | None:
     return stack[-1] if stack else None
 
 
+def _no_rank(call: str) -> str:
+    return (
+        f"DeviceMesh.{call}: a single-controller program has no current rank — one process drives every device "
+        "of the mesh. Code that asks for its rank is torchrun boilerplate: to draw a per-rank data batch, build "
+        "the global batch and dt.distribute_tensor(x, mesh, [Shard(0), ...]) it; for rank-0-only logging, log "
+        "once. Use mesh.coordinate_of(device) to find where a device sits"
+    )
+
+
 class DeviceMesh:
     """An n-d mesh of device ids with optional axis names.
 
@@ -179,6 +188,23 @@ class DeviceMesh:
         a = root.axis_index(axis) if self.is_submesh is False else self._root_axes[self.axis_index(axis)]
         moved = root._mesh.movedim(a, -1).reshape(-1, root.shape[a])
         return moved.tolist()
+
+    # --- upstream's per-process queries: no current rank in a single-controller program -------------------------
+    def get_rank(self) -> int:
+        raise MeshError(_no_rank("get_rank()"))
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        raise MeshError(_no_rank("get_local_rank()"))
+
+    def get_coordinate(self) -> list[int] | None:
+        raise MeshError(_no_rank("get_coordinate()"))
+
+    def get_group(self, mesh_dim: int | str | None = None) -> object:
+        raise MeshError(
+            "DeviceMesh.get_group(): the controller holds no process group (the workers do, one per mesh axis). "
+            "Collectives happen through placements: redistribute a dtorch tensor (Partial -> Replicate is an "
+            "all-reduce, Shard -> Replicate an all-gather) instead of calling torch.distributed on a group"
+        )
 
     # --- sub-meshes and stages ----------------------------------------------------------------------------------
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> float:
     device_mesh = dt.init_device_mesh(args.device, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     tp_mesh, dp_mesh = device_mesh["tp"], device_mesh["dp"]
     if args.tiny:
-        model_args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
+        model_args = ModelArgs(
+            dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=32
+        )
         batch, seq = 2, 16
     else:
         model_args = ModelArgs(dim=256, n_layers=2, n_heads=16, vocab_size=32000)
@@ -75,11 +77,11 @@ def main(argv: list[str] | None = None) -> float:
         layer_tp_plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                input_layouts=(Shard(1), Replicate()), desired_input_layouts=(Replicate(), Replicate())
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            "attention.wq": ColwiseParallel(use_local_output=False),
+            "attention.wk": ColwiseParallel(use_local_output=False),
+            "attention.wv": ColwiseParallel(use_local_output=False),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> float:
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
         }
-        # the head counts stay global: dtorch tensors have global shapes (the original divides them by tp here)
+        # as upstream (since July 2025), the head counts stay global: q/k/v keep their global shapes
         dt.parallelize_module(transformer_block, tp_mesh, layer_tp_plan)
     sharded_model = dt.fully_shard(model, mesh=dp_mesh)
     log.info("wq %s, ffn_norm %s", model.layers[0].attention.wq.weight.placements,

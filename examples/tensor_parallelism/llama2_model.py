@@ -21,7 +21,7 @@ class ModelArgs:
     multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
-    max_seq_len: int = 512
+    max_seq_len: int = 32768  # the rotary table covers twice this
 
 
 class RMSNorm(nn.Module):
@@ -135,20 +135,23 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    freqs_cis: torch.Tensor
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer(
-            "freqs_cis", rotary_frequencies(args.dim // args.n_heads, args.max_seq_len * 2), persistent=False
-        )
+        self.register_buffer("freqs_cis", rotary_frequencies(args.dim // args.n_heads, args.max_seq_len * 2))
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.init_weights()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        freqs = self.freqs_cis.to(h.device)[: tokens.shape[1]]
+        # the buffer follows the activations' device on first use (a dtorch tensor from then on), as upstream's
+        self.freqs_cis = self.freqs_cis.to(h.device)
+        freqs = self.freqs_cis[: tokens.shape[1]]
         for layer in self.layers:
             h = layer(h, freqs)
         return self.output(self.norm(h)).float()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import torch_dtorch as dt
@@ -83,3 +84,48 @@ def test_load_checks_shapes_and_reshards(tmp_path: Path) -> None:
         dt.checkpoint.load({"w": w}, checkpoint_id=tmp_path)
         assert w.placements == (placement,)
         torch.testing.assert_close(w.full_tensor(), value)
+
+
+def test_dcp_interop_both_ways(tmp_path: Path) -> None:
+    """``dt.checkpoint.save_dcp`` writes a ``torch.distributed.checkpoint`` that plain torch's ``dcp.load`` reads
+    (model and optimizer); ``load_dcp`` fills an FSDP + TP model and its optimizer in place from a checkpoint plain
+    torch's ``dcp.save`` wrote, and the resumed run follows torch's trajectory."""
+    torch.manual_seed(0)
+    ref = MLP()
+    mesh = init_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    model = dt.fully_shard(dt.parallelize_module(twin(ref), mesh, TP, tp_dim="tp"), mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    _train(model, opt, mesh, 0)
+    _train(ref, ref_opt, None, 0)
+    # dtorch -> DCP -> plain torch
+    dt.checkpoint.save_dcp(
+        {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path / "a"
+    )
+    plain = MLP()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    _train(plain, plain_opt, None, 9)  # creates optimizer state to load into
+    state = {"model": plain.state_dict(), "optim": plain_opt.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path / "a", no_dist=True)
+    plain_opt.load_state_dict(state["optim"])
+    for p, q in zip(plain.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        plain_opt.state_dict()["state"][0]["exp_avg"], ref_opt.state_dict()["state"][0]["exp_avg"]
+    )
+    # plain torch -> DCP -> dtorch (another layout)
+    # after `import torch_dtorch`, DCP's default writer needs per_thread_copy_ahead=0 (docs/training.md)
+    writer = dcp.FileSystemWriter(tmp_path / "b", per_thread_copy_ahead=0)
+    dcp.save({"model": ref.state_dict(), "optim": ref_opt.state_dict()}, storage_writer=writer, no_dist=True)
+    other = dt.parallelize_module(MLP(), mesh, OTHER_TP, tp_dim="tp")
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.05)
+    _train(other, other_opt, mesh, 5)
+    state = {"model": other.state_dict(), "optim": other_opt.state_dict()}
+    dt.checkpoint.load_dcp(state, checkpoint_id=tmp_path / "b")
+    other_opt.load_state_dict(state["optim"])
+    assert other.in_proj.weight.placements == (Replicate(), Shard(1))
+    assert_params_close(other, ref)
+    for step in (1, 2):
+        _train(other, other_opt, mesh, step)
+        _train(ref, ref_opt, None, step)
+    assert_params_close(other, ref)

@@ -1,5 +1,5 @@
-"""``bench/train_gpu.py --tiny`` runs every dtorch path of the training benchmark on the CPU (eager and compiled);
-in float32 the first step's loss of every dtorch mode equals torch's."""
+"""``bench/train_gpu.py --tiny`` runs every mode of the training benchmark on the CPU (torch, inductor, dtorch
+eager and compiled); in float32 the first step's loss of every mode equals torch's."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def test_tiny_training_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    modes = ["torch", "dtorch", "dtorch-compiled", "dtorch-tp2", "dtorch-compiled-tp2", "dtorch-dp2"]
+    modes = list(bench.MODES)  # every mode, inductor included (its first call compiles on the CPU)
+    assert {"torch", "inductor", "dtorch", "dtorch-compiled", "dtorch-tp2", "dtorch-dp2"} <= set(modes)
     argv = ["--tiny", "--dtype", "float32", "--modes", *modes, "--warmup", "1", "--repeat", "1"]
     assert bench.main(argv) == 0
     rows = {

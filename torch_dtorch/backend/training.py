@@ -14,7 +14,8 @@ the program. Autograd then accumulates it into ``.grad`` as in eager mode.
 
 The layout requests of parallel styles and layers (``dtorch::place``) differentiate to ``dtorch::place_as``: the
 gradient goes back to the layout the forward input had (``backend/place.py``). The optimizer step stays eager (the
-``_foreach_*`` list rules make it ~10 operators for any number of parameters).
+``_foreach_*`` list rules make it ~10 operators for any number of parameters) or is compiled on its own
+(``torch.compile(opt.step, backend="dtorch")``, an inference graph; Adam's first step eager: docs/compile.md).
 """
 
 from __future__ import annotations

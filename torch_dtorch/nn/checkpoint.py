@@ -19,6 +19,9 @@ Format (version 1), a directory:
 Loading, each worker reads the parts of the saved blocks that overlap its own block (safetensors slices, memory
 mapped), so a worker never reads more than its shard plus the overlap with the saved layout; nothing is gathered on
 the controller.
+
+``save_dcp`` / ``load_dcp`` (``checkpoint_dcp.py``) read and write ``torch.distributed.checkpoint`` checkpoints
+instead, to exchange state with upstream (SPMD) training jobs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from torch_dtorch.nn.checkpoint_dcp import load_dcp, save_dcp
 from torch_dtorch.placement import (
     Partial,
     Placement,
@@ -43,7 +47,7 @@ from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.rule import register_rule as _register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
-__all__ = ["FORMAT_VERSION", "load", "save"]
+__all__ = ["FORMAT_VERSION", "load", "load_dcp", "save", "save_dcp"]
 
 FORMAT_VERSION = 1
 METADATA = "dtorch_checkpoint.json"
