@@ -45,13 +45,15 @@ def test_example_runs_and_matches_torch(script: str, extra: list[str]) -> None:
 UPSTREAM = upstream_dir()
 
 
-@pytest.mark.skipif(
-    UPSTREAM is None, reason="set DTORCH_PYTORCH_EXAMPLES to a pytorch/examples checkout (not vendored here)"
-)
 @pytest.mark.parametrize("script,world_size", [(s, 4 if s.startswith("fsdp") else 2) for s in SCRIPTS])
 def test_upstream_script_ported_equals_torch(script: str, world_size: int, tmp_path: Path) -> None:
     """PyTorch's own script, with only the port's import and torchrun-boilerplate edits (upstream_port.py), trains
     on a dtorch mesh to the parameters the same script trains as single-device torch (tiny sizes, 1e-5)."""
+    if script.startswith("fsdp") and not (UPSTREAM / "llama2_model.py").exists():
+        # its model file is under the Llama 2 Community License, so it is not vendored (see the README there)
+        pytest.skip(
+            "fsdp_tp_example.py needs llama2_model.py: set DTORCH_PYTORCH_EXAMPLES to a pytorch/examples checkout"
+        )
     out = {}
     for target in ("dtorch", "torch"):
         env = {

@@ -159,13 +159,22 @@ def fully_shard(module, **kw):
 """
 
 
-def upstream_dir() -> Path | None:
-    """The ``distributed/tensor_parallelism`` folder of ``$DTORCH_PYTORCH_EXAMPLES``, if it is there."""
+#: verbatim copies of the BSD-licensed upstream scripts (llama2_model.py is not vendored: its own license)
+VENDORED = Path(__file__).resolve().parent / "upstream_tensor_parallelism"
+
+
+def upstream_dir() -> Path:
+    """The ``distributed/tensor_parallelism`` folder of ``$DTORCH_PYTORCH_EXAMPLES`` when set, else the vendored
+    copy of the upstream scripts."""
     root = os.environ.get("DTORCH_PYTORCH_EXAMPLES")
     if not root:
-        return None
+        return VENDORED
     folder = Path(root) / "distributed" / "tensor_parallelism"
-    return folder if folder.is_dir() else None
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"DTORCH_PYTORCH_EXAMPLES={root!r} has no distributed/tensor_parallelism folder"
+        )
+    return folder
 
 
 def port_edits(script: str) -> tuple[Edit, ...]:
@@ -202,11 +211,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     folder = upstream_dir()
-    if folder is None:
-        raise SystemExit("set DTORCH_PYTORCH_EXAMPLES to a pytorch/examples checkout")
     with tempfile.TemporaryDirectory() as tmp:
         for helper in ("log_utils.py", "llama2_model.py"):
-            shutil.copy(folder / helper, Path(tmp) / helper)
+            if (folder / helper).exists():
+                shutil.copy(folder / helper, Path(tmp) / helper)
         ported = Path(tmp) / args.script
         ported.write_text(
             port((folder / args.script).read_text(), args.script, target=args.target, tiny=args.tiny)
