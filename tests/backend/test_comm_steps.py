@@ -128,3 +128,34 @@ def test_style_hooks_inside_one_graph(backend: str) -> None:
     (report,) = reports
     assert report.error is None
     assert "dtorch.place" in report.aten
+
+
+def test_redistribute_that_moves_nothing_is_no_program_step() -> None:
+    """On a mesh axis of size 1 a placement change moves nothing (here the row-wise layer's Partial -> Replicate):
+    the rank program has no collective step, which would copy the tensor and, on CUDA, synchronize the device
+    twice (a FLUX step on a 1-device mesh ran 1.8 x inductor from ~270 of them); an output that is thereby an
+    input stays its own tensor."""
+    torch.manual_seed(0)
+    mesh = dt.init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    m = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(3, 6)
+    want = m(x)
+    parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    reports: list[CompileReport] = []
+    with torch.no_grad():
+        out = torch.compile(m, backend="dtorch", options={"reports": reports})(
+            dt.distribute_tensor(x, mesh, [Replicate()])
+        )
+    torch.testing.assert_close(out.full_tensor(), want.detach())
+    programs = "\n".join(text for report in reports for text in report.local.values())
+    assert "aten.linear" in programs and "redistribute" not in programs, programs
+
+    def same(t: torch.Tensor) -> torch.Tensor:
+        return t.redistribute(mesh, [Replicate()])
+
+    dx = dt.distribute_tensor(x, mesh, [Shard(0)])
+    with torch.no_grad():
+        y = torch.compile(same, backend="dtorch")(dx)
+    y.add_(1)  # the output is not the input's storage
+    torch.testing.assert_close(dx.full_tensor(), x)
+    torch.testing.assert_close(y.full_tensor(), x + 1)

@@ -235,6 +235,10 @@ def build_local_program(
         if op.op == REDISTRIBUTE:
             x, y = op.inputs[0], op.outputs[0]
             assert x is not None
+            if _is_identity(op.payload, env.get(x.id), _local_meta(x, device), _local_meta(y, device)):
+                # nothing moves (e.g. a placement change on a mesh axis of size 1): no step, no copy, no sync
+                env[y.id] = env[x.id]
+                continue
             node = g.call_function(redistribute, (env.get(x.id),))
             node.meta.update(
                 plan=op.payload,
@@ -292,10 +296,37 @@ def build_local_program(
             env[op.outputs[0].id] = node
     # one entry per tensor output, as a call's out ids (``None``: not held by this rank, e.g. another pipeline
     # stage's); plain values (a backward graph's ``None`` gradients) are no outputs of the program
-    results = tuple(env.get(o.id) for o in prop.outputs if isinstance(o, Operand))
+    results = _distinct_outputs(g, tuple(env.get(o.id) for o in prop.outputs if isinstance(o, Operand)))
     g.output(results)
     g.lint()
     return _split(g, device, len(prop.inputs), tuple(in_meta), names)
+
+
+def _is_identity(plan: Any, src: fx.Node | None, local_in: LocalMeta | None, local: LocalMeta | None) -> bool:
+    """Whether a redistribute moves nothing on this rank: a plan without steps within one mesh, same local meta."""
+    return (
+        src is not None
+        and not plan.steps
+        and plan.src_mesh.root == plan.dst_mesh.root
+        and local_in is not None
+        and local_in == local
+    )
+
+
+def _distinct_outputs(g: fx.Graph, results: tuple[fx.Node | None, ...]) -> tuple[fx.Node | None, ...]:
+    """Every output its own tensor: an output that is a program input (or another output), which an identity
+    redistribute can make, is cloned, so later in-place ops on one blob never change another."""
+    seen: set[fx.Node] = set()
+    out: list[fx.Node | None] = []
+    for r in results:
+        if r is not None and (r.op == "placeholder" or r in seen):
+            c = g.call_function(torch.ops.aten.clone.default, (r,))
+            c.meta.update(local=r.meta.get("local"), label=r.meta.get("label"))
+            r = c
+        if r is not None:
+            seen.add(r)
+        out.append(r)
+    return tuple(out)
 
 
 def _split(
