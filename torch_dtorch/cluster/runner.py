@@ -282,9 +282,11 @@ class ClusterRunner:
                 return
             if kv is not None:
                 self.store.deliver(*kv)
-            if isinstance(body.get("ack"), int):  # the batch that ended with this reply is done
+            if isinstance(
+                body.get("ack"), int
+            ):  # the batch that ended with this reply is done (and all before)
                 with self._acks:
-                    m.acked = body["ack"]
+                    m.acked = max(m.acked, body["ack"])
                     self._acks.notify_all()
         elif msg.kind == MessageKind.ACK:
             if body.get("ready"):
@@ -293,9 +295,9 @@ class ClusterRunner:
                     m.cuda_index = body["cuda_index"]
             elif "ipc_done" in body:
                 self._ipc_acknowledged(m, body)
-            elif isinstance(body.get("ack"), int):
+            elif isinstance(body.get("ack"), int):  # cumulative: every batch up to this one ran
                 with self._acks:
-                    m.acked = body["ack"]
+                    m.acked = max(m.acked, body["ack"])
                     self._acks.notify_all()
         elif msg.kind == MessageKind.ERROR:
             if "rejected" in body:
