@@ -134,21 +134,21 @@ class HitEncoding:
 
     def _hit(self, run: FastRun) -> list[Any] | None:
         """Encode ``run`` as a record (``None``), or return the JSON trees it needs instead (its first hit: the
-        ``RunOp`` that defines the template; anything a record cannot carry: the expanded instructions)."""
-        plan = run.plan
-        outs = run.outputs
-        grad = False
-        for o in outs:
-            if o.requires_grad:
-                grad = True
-                break
-        key: Any = plan if not grad else (plan, tuple(o.requires_grad for o in outs))
-        hid = self._tables["hit"].get(key)
-        ins = run.inputs
-        ids: list[int] = []
+        ``RunOp`` that defines the template; anything a record cannot carry: the expanded instructions). The
+        controller's per-op cost: written out for the common case (native hit, one output, inputs known)."""
         if run.args is None and run.call_site is None:  # native hits: the plan fixes every constant
+            plan = run.plan
+            outs = run.outputs
+            if len(outs) == 1:
+                o = outs[0]
+                key: Any = plan if not o.requires_grad else (plan, (True,))
+            else:
+                o = None
+                flags = tuple([x.requires_grad for x in outs])
+                key = plan if True not in flags else (plan, flags)
             known = self._operands
-            for x in ins:
+            ids: list[int] = []
+            for x in run.inputs:
                 if x is None:
                     ids.append(-1)
                 elif known.get(x.id) is x:
@@ -156,19 +156,24 @@ class HitEncoding:
                 else:
                     break  # an input the decoder does not know: the JSON path defines it
             else:
-                if len(ids) == 1 or len(set(ids)) == len(ids):  # ``x + x``: slots told apart by JSON only
+                n = len(ids)
+                if n < 2 or (
+                    ids[0] != ids[1] if n == 2 else len(set(ids)) == n
+                ):  # ``x + x``: JSON tells slots
+                    hid = self._tables["hit"].get(key)
                     if hid is not None:
                         words = self._words
-                        words.append(hid << 2)
-                        words.append(run.first_op)
-                        words.append(run.first_id)
-                        words.extend(ids)
-                        for o in outs:
+                        words += (hid << 2, run.first_op, run.first_id)
+                        words += ids
+                        if o is not None:
                             known[o.id] = o
+                        else:
+                            for o in outs:
+                                known[o.id] = o
                         return None
                     ok = self._hit_ok.get(plan)
                     if ok is None:
-                        ok = self._hit_ok[plan] = _plan_fits(plan, ins)
+                        ok = self._hit_ok[plan] = _plan_fits(plan, run.inputs)
                     if ok:
                         return self._hit_define(run, key)
         return [self._instr(part) for part in run.expand()]  # type: ignore[attr-defined]
@@ -177,9 +182,7 @@ class HitEncoding:
         (part,) = run.expand()  # no moves: the RunOp alone
         tree = self._instr(part)  # type: ignore[attr-defined]
         tmpl = tree[3]
-        if type(tmpl) is list and tmpl[:1] == [
-            "!"
-        ]:  # a one-shot template (a tensor constant): never a record
+        if type(tmpl) is list and tmpl[:1] == ["!"]:  # one-shot (a tensor constant): never a record
             self._hit_ok[run.plan] = False
             return [tree]
         t = self._tables["hit"]
@@ -187,13 +190,13 @@ class HitEncoding:
         return [["Y", hid, tree]]
 
     def _free_words(self, ids: list[int]) -> None:
-        pop = self._operands.pop
-        for i in ids:
-            pop(i, None)
         if ids:
+            pop = self._operands.pop
+            for i in ids:
+                pop(i, None)
             words = self._words
             words.append(len(ids) << 2 | FREE)
-            words.extend(ids)
+            words += ids
 
 
 def _plan_fits(plan: Any, inputs: list[Operand | None]) -> bool:
