@@ -289,8 +289,20 @@ def test_heartbeat_names_the_op_of_a_record_in_flight(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.slow
-def test_malformed_records_fail_the_worker_with_a_clear_error() -> None:
-    """A signed batch whose records are truncated: every worker reports a protocol error naming the batch; the
+@pytest.mark.parametrize(
+    ("words", "runs", "expect"),
+    [
+        # the run is longer than the frame
+        ([0], [["H", 3]], ["could not decode batch", "hit run of 3 words", "'controller'"]),
+        # a template nobody defined
+        ([77 << 2, 1, 1 << 20], [["H", 3]], ["could not decode batch", "unknown hit template 77"]),
+    ],
+    ids=["truncated", "unknown-template"],
+)
+def test_malformed_records_fail_the_worker_with_a_clear_error(
+    words: list[int], runs: list[Any], expect: list[str]
+) -> None:
+    """A signed batch with malformed records: every worker reports a protocol error naming the batch; the
     controller fails with ``WorkerFailedError`` naming the worker, at once, and no process is left."""
     dt.shutdown()
     mesh = dt.init_device_mesh("cpu", (2,), mode="process")
@@ -302,7 +314,7 @@ def test_malformed_records_fail_the_worker_with_a_clear_error() -> None:
     with runner._lock:
         enc = runner._encoder
         enc._batch_no += 1
-        tree = [MAGIC, VERSION, enc._batch_no, False, [], [], b'[["H",3]]', hits.pack([0]), []]
+        tree = [MAGIC, VERSION, enc._batch_no, False, [], [], json.dumps(runs).encode(), hits.pack(words), []]
         assert runner.net.pub is not None
         runner._batches = runner.net.pub.send(tree, kind=MessageKind.BATCH)
     t0 = time.monotonic()
@@ -310,7 +322,7 @@ def test_malformed_records_fail_the_worker_with_a_clear_error() -> None:
         (x + 1).full_tensor()
     assert time.monotonic() - t0 < 5.0
     text = str(e.value)
-    assert "could not decode batch" in text and "hit run of 3 words" in text and "'controller'" in text, text
+    assert all(s in text for s in expect) and f"instruction batch {enc._batch_no}" in text, text
     assert "worker w0" in text or "worker w1" in text, text
     assert wait_gone(pids, 6.0) == []
     dt.shutdown()
