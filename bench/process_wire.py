@@ -4,9 +4,10 @@
    (controller side) and verified and decoded (worker side), with hit records and with every instruction as JSON:
    µs per op on each side, ops/s through both, bytes per op on the wire.
 2. **e2e**: a chain of small ops (``x = x * 0.5 + b``, 16x16, two aten ops per step, ``dt.sync()`` included) on a
-   1-device process-mode mesh, hit records on and off (``BatchEncoder.hits``, same workers), against upstream
-   DTensor (world size 1) — rounds alternate the three, each cell is the median over rounds of the median of
-   ``--repeat`` chains.
+   1-device process-mode mesh — all JSON in batches of 64 (the v1 wire), hit records in batches of 64, hit records
+   in process mode's default batches (same workers: ``BatchEncoder.hits`` and the executor's batch size are
+   switched between chains) — against upstream DTensor (world size 1). Rounds alternate the four; each cell is the
+   median over rounds of the median of ``--repeat`` chains.
 
     python bench/process_wire.py [--ops 1000] [--repeat 3] [--rounds 5] [--no-e2e]
 """
@@ -99,7 +100,8 @@ def e2e(*, ops: int, repeat: int, rounds: int) -> dict[str, list[float]]:
     os.environ.setdefault("MASTER_PORT", "29613")
     dist.init_process_group("gloo", rank=0, world_size=1)
     mesh = dt.init_device_mesh("cpu", (1,), mode="process")
-    encoder = get_session().executor.runner._encoder
+    executor = get_session().executor
+    encoder, default_batch = executor.runner._encoder, executor.batch_size
     try:
         um = UpstreamMesh("cpu", [0])
         ux = [distribute_tensor(torch.randn(16, 16), um, [Replicate()])]
@@ -113,23 +115,26 @@ def e2e(*, ops: int, repeat: int, rounds: int) -> dict[str, list[float]]:
         def dstep() -> None:
             dx[0] = dx[0] * 0.5 + db
 
-        out: dict[str, list[float]] = {
-            "DTensor (world 1)": [],
-            "process, hit records": [],
-            "process, all JSON": [],
+        #: label -> (hit records, batch size); all JSON in batches of 64 is the wire before codec v2
+        cases: dict[str, tuple[bool, int] | None] = {
+            "DTensor (world 1)": None,
+            "process, all JSON, batch 64 (v1 wire)": (False, 64),
+            "process, hit records, batch 64": (True, 64),
+            f"process, hit records, batch {default_batch} (default)": (True, default_batch),
         }
+        out: dict[str, list[float]] = {label: [] for label in cases}
         for r in range(rounds):
-            for label in out:
-                if label.startswith("DTensor"):
+            for label, case in cases.items():
+                if case is None:
                     us = chain_us(ustep, lambda: None, ops=ops, repeat=repeat)
                 else:
-                    encoder.hits = label.endswith("records")
+                    encoder.hits, executor.batch_size = case
                     us = chain_us(dstep, dt.sync, ops=ops, repeat=repeat)
                 out[label].append(us)
             log.info("round %d: %s", r, {k: round(v[-1], 1) for k, v in out.items()})
         return out
     finally:
-        encoder.hits = True
+        encoder.hits, executor.batch_size = True, default_batch
         dt.shutdown()
         dist.destroy_process_group()
 

@@ -314,7 +314,8 @@ def test_malformed_records_fail_the_worker_with_a_clear_error(
     with runner._lock:
         enc = runner._encoder
         enc._batch_no += 1
-        tree = [MAGIC, VERSION, enc._batch_no, False, [], [], json.dumps(runs).encode(), hits.pack(words), []]
+        bad_no = enc._batch_no
+        tree = [MAGIC, VERSION, bad_no, False, [], [], json.dumps(runs).encode(), hits.pack(words), []]
         assert runner.net.pub is not None
         runner._batches = runner.net.pub.send(tree, kind=MessageKind.BATCH)
     t0 = time.monotonic()
@@ -322,7 +323,7 @@ def test_malformed_records_fail_the_worker_with_a_clear_error(
         (x + 1).full_tensor()
     assert time.monotonic() - t0 < 5.0
     text = str(e.value)
-    assert all(s in text for s in expect) and f"instruction batch {enc._batch_no}" in text, text
+    assert all(s in text for s in expect) and f"instruction batch {bad_no}" in text, text
     assert "worker w0" in text or "worker w1" in text, text
     assert wait_gone(pids, 6.0) == []
     dt.shutdown()
