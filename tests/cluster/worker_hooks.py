@@ -1,6 +1,7 @@
 """Imported by cluster-mode workers in tests (``DTORCH_WORKER_IMPORTS=tests.cluster.worker_hooks``).
 
 - ``DTORCH_TEST_SLOW_OP=aten.cos:1:3.0``: device 1 sleeps 3 s before every ``aten.cos`` (a long kernel);
+  ``DTORCH_TEST_SLOW_AFTER=n``: only after its first ``n`` calls (fast-path hits come later);
 - ``DTORCH_TEST_FAIL_OP=aten.sigmoid:2``: ``aten.sigmoid`` raises on device 2 (a planted kernel failure).
 """
 
@@ -27,10 +28,17 @@ def _name(instr: Any) -> str:
     return str(getattr(node, "name", ""))
 
 
+_SLOW_AFTER = int(os.environ.get("DTORCH_TEST_SLOW_AFTER", "0") or 0)
+_calls = 0
+
+
 def _before(instr: Any, device: int) -> None:
+    global _calls
     name = _name(instr)
     if _SLOW is not None and name == _SLOW[0] and device == int(_SLOW[1]):
-        time.sleep(float(_SLOW[2]))
+        _calls += 1
+        if _calls > _SLOW_AFTER:
+            time.sleep(float(_SLOW[2]))
 
 
 if _SLOW is not None:

@@ -59,10 +59,14 @@ ENV_START_TIMEOUT = "DTORCH_WORKER_START_TIMEOUT_S"
 ENV_WORKER_IMPORTS = "DTORCH_WORKER_IMPORTS"
 ENV_SHM_THRESHOLD = "DTORCH_SHM_THRESHOLD_BYTES"
 ENV_CUDA_IPC = "DTORCH_CUDA_IPC"
+ENV_BATCH_SIZE = "DTORCH_CLUSTER_BATCH_SIZE"
 
 DEFAULT_START_TIMEOUT_S = 120.0
 #: uploads/fetches at least this large go through shared memory between processes of one host (when available)
 DEFAULT_SHM_THRESHOLD = 1 << 20
+#: instructions per batch in process mode unless set: a batch costs a signed message, a worker wake-up and a native
+#: chain on each worker, so it is larger than thread mode's 64 (bench/process_wire.py, docs/benchmarks.md)
+DEFAULT_BATCH_SIZE = 256
 
 #: exit codes of a worker process
 EXIT_OK = 0
@@ -153,6 +157,8 @@ class ClusterConfig:
         cuda_ipc: CUDA tensors of at least ``shm_threshold`` bytes travel between this controller and the workers
             it started as CUDA IPC handles (no host copy; :mod:`.cluster_ipc`); ``False``: through shared memory.
             Env ``DTORCH_CUDA_IPC`` (``1``; ``0`` disables it).
+        batch_size: instructions per batch the controller sends (``None``: ``DTORCH_BATCH_SIZE`` when it was set,
+            else :data:`DEFAULT_BATCH_SIZE`). Env ``DTORCH_CLUSTER_BATCH_SIZE``.
     """
 
     listen: str | None = None
@@ -164,12 +170,15 @@ class ClusterConfig:
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
     cuda_ipc: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("ipc", "tcp"):
             raise ValueError(f"ClusterConfig: transport must be 'ipc' or 'tcp', got {self.transport!r}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"ClusterConfig: start_timeout_s must be > 0, got {self.start_timeout_s!r}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"ClusterConfig: batch_size must be >= 1, got {self.batch_size!r}")
         if self.listen is not None and not self.listen.startswith(("tcp://", "ipc://")):
             raise ValueError(
                 f"ClusterConfig: listen must be 'tcp://HOST:PORT' or 'ipc://PATH', got {self.listen!r}"
@@ -192,6 +201,7 @@ class ClusterConfig:
             worker_imports=imports,
             shm_threshold=int(_env_float(ENV_SHM_THRESHOLD, DEFAULT_SHM_THRESHOLD)),
             cuda_ipc=env_switch(ENV_CUDA_IPC, True),
+            batch_size=int(_env_float(ENV_BATCH_SIZE, 0)) or None,
         )
 
     def bind_host(self) -> str:

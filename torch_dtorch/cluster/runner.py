@@ -23,6 +23,7 @@ thread-mode :class:`~torch_dtorch.executor.worker.Worker`. What differs is the p
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -46,6 +47,7 @@ from torch_dtorch.cluster.ipc import (
 )
 from torch_dtorch.cluster.joins import Member, reap_local_workers
 from torch_dtorch.cluster.protocol import (
+    DEFAULT_BATCH_SIZE,
     ClusterConfig,
     WorkerFailedError,
     WorkerStartError,
@@ -116,6 +118,13 @@ class ClusterRunner:
             secret = read_secret_file(self.config.secret_file) if self.config.secret_file else new_secret()
         self._secret = secret
         self._encoder = BatchEncoder()
+        #: instructions per batch the executor should send (``ClusterConfig.batch_size``; else an explicit
+        #: ``DTORCH_BATCH_SIZE``; else ``DEFAULT_BATCH_SIZE``)
+        self.batch_size = self.config.batch_size or (
+            cfg.batch_size
+            if "DTORCH_BATCH_SIZE" in os.environ or cfg.batch_size != 64
+            else DEFAULT_BATCH_SIZE
+        )
         self.members = {d: Member(d) for d in self.devices}
         self._by_id = {m.worker_id: m for m in self.members.values()}
         self.store = ControllerStore(self._send_value, timeout_s=self._collective_timeout_s)
@@ -282,9 +291,11 @@ class ClusterRunner:
                 return
             if kv is not None:
                 self.store.deliver(*kv)
-            if isinstance(body.get("ack"), int):  # the batch that ended with this reply is done
+            if isinstance(
+                body.get("ack"), int
+            ):  # the batch that ended with this reply is done (and all before)
                 with self._acks:
-                    m.acked = body["ack"]
+                    m.acked = max(m.acked, body["ack"])
                     self._acks.notify_all()
         elif msg.kind == MessageKind.ACK:
             if body.get("ready"):
@@ -293,9 +304,9 @@ class ClusterRunner:
                     m.cuda_index = body["cuda_index"]
             elif "ipc_done" in body:
                 self._ipc_acknowledged(m, body)
-            elif isinstance(body.get("ack"), int):
+            elif isinstance(body.get("ack"), int):  # cumulative: every batch up to this one ran
                 with self._acks:
-                    m.acked = body["ack"]
+                    m.acked = max(m.acked, body["ack"])
                     self._acks.notify_all()
         elif msg.kind == MessageKind.ERROR:
             if "rejected" in body:

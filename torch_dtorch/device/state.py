@@ -132,7 +132,7 @@ def start_session(
             shutdown()
         runner = _make_runner(mode, device_type, num_devices, simulate, cluster)
         _GENERATION += 1
-        executor = EagerGraphExecutor(runner)
+        executor = EagerGraphExecutor(runner, batch_size=getattr(runner, "batch_size", None))
         executor.collect = TABLE.drain
         if device_type != "cpu":
             executor.result_device = torch.device(

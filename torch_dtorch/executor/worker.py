@@ -220,6 +220,29 @@ class Worker:
     def _on_barrier(self, instr: Barrier) -> None:
         self._barrier(instr)
 
+    # --- for handlers of instructions that carry runs of fast-path ops (process mode's hit records) --------------
+    def replay_chain(self) -> NativeChain | None:
+        """The native chain when resolved calls may be queued on it now (replay on, no validation, no kernel
+        hooks), else ``None``."""
+        chain = self._chain
+        if chain is None or not self._replay_on or self.op_runner.validate or kernel_hooks():
+            return None
+        return chain
+
+    def resolved_call(self, key: Any) -> LocalCall | None:
+        """The resolved local call of replay key ``key`` (``None``: not resolved yet, or the general path's)."""
+        return self._resolved.get(key)
+
+    def run_one(self, instr: Instruction, chain: NativeChain | None) -> None:
+        """Run one instruction as :meth:`run_batch` does (queued on ``chain`` when it replays, after flushing it
+        otherwise)."""
+        if chain is not None:
+            if type(instr) is RunOp and self._replay_op(instr, chain):
+                return
+            if len(chain):
+                chain.flush()
+        self.execute(instr)
+
     def forget_resolved(self) -> None:
         """Drop every resolved call (their native handles go back to the native loop)."""
         release_handles([c.native for c in self._resolved.values() if c is not None and c.native >= 0])

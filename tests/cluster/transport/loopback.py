@@ -41,6 +41,9 @@ class CodecLoopbackRunner:
         )
         self.num_bytes += sum(len(memoryview(f).cast("B")) for f in frames)
         msg = wire.decode(frames, secret=self.secret)
+        # a worker process decodes its next batch only after running the previous one (hit records materialized
+        # while a batch runs read the decoder's tables as of that batch): the threads must be done too
+        self.inner.wait_idle()
         self.decoded = self.decoder.decode(msg.body)
         self.inner.submit(self.decoded)
 

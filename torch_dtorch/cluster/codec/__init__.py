@@ -15,7 +15,9 @@ every batch once, in order. :meth:`BatchEncoder.reset` (or an encode that failed
 a reset flag: every decoder then starts from scratch. Batch numbers are checked; a gap raises :class:`CodecError`.
 
 Batch tree: ``["dtorch-codec", VERSION, batch_no, reset, cleared_tables, dropped_operand_ids, json_bytes,
-[tensor...]]``; ``json_bytes`` holds ``[instruction...]``.
+hit_bytes | None, [tensor...]]``; ``json_bytes`` holds ``[instruction...]``, ``hit_bytes`` the binary records of the
+fast path's hits and of frees (:mod:`~torch_dtorch.cluster.codec.hits`; version 2), placed in the order by
+``["H", n_words]`` instructions.
 Instruction trees are ``[tag, ...]``; :func:`register_codec` adds tags for instruction types of higher layers.
 Operators are rebuilt with their rule found again in the placement_rules registry by the overload's qualified name
 (``"aten::add.Tensor"``). Operand view info: ``base`` and ``copy_of`` travel as operand refs, ``view`` as the
@@ -24,6 +26,7 @@ carrying call's op and constants. Tensor constants are sent by value with every 
 
 from __future__ import annotations
 
+from torch_dtorch.cluster.codec import hit_worker as _hit_worker  # noqa: F401 - registers the HitRun handler
 from torch_dtorch.cluster.codec.common import VERSION, CodecError, register_codec
 from torch_dtorch.cluster.codec.decoder import BatchDecoder, DecodeContext
 from torch_dtorch.cluster.codec.encoder import BatchEncoder, EncodeContext

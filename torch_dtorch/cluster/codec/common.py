@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = "dtorch-codec"
-VERSION = 1
+#: 2: binary hit records (``codec/hits.py``) in a frame of their own, after the JSON payload
+VERSION = 2
 #: operands kept by both sides before the oldest are forgotten (at the start of a batch)
 MAX_OPERANDS = 1 << 16
 #: entries of a metadata table (templates, operand types, ...) before it is cleared (at the start of a batch)
@@ -31,7 +32,7 @@ MAX_TABLE = 1 << 13
 #: the controller's memory in a long run (~0.3 KiB per entry); hot entries come back at their next use.
 MAX_FAST = 1 << 11
 #: the tables both sides keep, in the order they are named in a batch's ``cleared`` list
-TABLES = ("op", "mesh", "otype", "tmpl")
+TABLES = ("op", "mesh", "otype", "tmpl", "hit")
 
 
 class CodecError(DTorchError, ValueError):

@@ -21,6 +21,7 @@ from torch_dtorch.cluster.codec.common import (
     Slot,
     resolve_op,
 )
+from torch_dtorch.cluster.codec.hits import HitDecoding, unpack
 from torch_dtorch.executor.constructor import REDISTRIBUTE, BoundOp
 from torch_dtorch.executor.instructions import Barrier, Fetch, Free, Instruction, Redistribute, RunOp, Upload
 from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta, ViewInfo
@@ -150,6 +151,8 @@ class DecodeContext:
         if type(tree) is int:
             x = self._operands.get(tree)
             if x is None:
+                x = self._lazy_operand(tree)  # type: ignore[attr-defined]
+            if x is None:
                 raise CodecError(
                     f"unknown operand %{tree}: the decoder never saw its definition (batches decoded out of order, "
                     "or the encoder and this decoder were not reset together)"
@@ -261,27 +264,33 @@ class DecodeContext:
         return ViewInfo(self.op(tree[0]), self.value(tree[1]))
 
 
-class BatchDecoder(DecodeContext):
-    """Worker side: one per worker and session. ``decode(tree)`` -> instructions, in the encoder's order."""
+class BatchDecoder(DecodeContext, HitDecoding):
+    """Worker side: one per worker and session. ``decode(tree)`` -> instructions, in the encoder's order.
+
+    ``progress``: called with an op's name when a hit record is materialized for the general path (the worker
+    process's heartbeat notes the op in flight)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._batch_no = 0
+        self.progress: Any = None
 
     def reset(self) -> None:
         super().reset()
+        self._hits_reset()
         self._batch_no = 0
 
     def decode(self, tree: Any) -> list[Instruction]:
         """Instructions of one batch tree (as ``wire.decode`` returns it, or straight from ``encode``)."""
-        if type(tree) not in (list, tuple) or len(tree) != 8 or tree[0] != MAGIC:
+        if type(tree) not in (list, tuple) or len(tree) < 2 or tree[0] != MAGIC:
             raise CodecError(f"not an instruction batch of this codec: {tree!r:.120}")
-        _magic, version, batch_no, reset, cleared, dropped, payload, tensors = tree
-        if version != VERSION:
+        version = tree[1]
+        if version != VERSION or len(tree) != 9:
             raise CodecError(
                 f"instruction batch format version {version!r}, this worker decodes version {VERSION}: run the "
                 "same torch_dtorch version on the controller and the workers"
             )
+        _magic, version, batch_no, reset, cleared, dropped, payload, hit_frame, tensors = tree
         if reset:
             self.reset()
         elif batch_no != self._batch_no + 1:
@@ -293,19 +302,29 @@ class BatchDecoder(DecodeContext):
             instrs = json.loads(payload)
         except (TypeError, ValueError) as e:
             raise CodecError(f"instruction batch {batch_no}: the payload is not JSON bytes ({e})") from None
+        words = unpack(hit_frame, batch_no=batch_no)
         self._batch_no = batch_no
+        self._grave = {}  # the previous batch has run: what it freed is gone now
         for name in cleared:
             if name not in self._tables:
                 raise CodecError(
                     f"unknown table {name!r} cleared by the encoder; known: {list(self._tables)}"
                 )
             self._tables[name].clear()
-        pop = self._operands.pop
+        pop, lazy_pop = self._operands.pop, self._lazy.pop
         for i in dropped:
             pop(i, None)
+            lazy_pop(i, None)
         self._tensors = list(tensors)
+        self._words, self._hit_pos = words, 0
         try:
-            return [self._instr(t) for t in instrs]
+            out = [self._instr(t) for t in instrs]
+            if self._hit_pos != len(words):
+                raise CodecError(
+                    f"instruction batch {batch_no}: {len(words) - self._hit_pos} words of the hit frame belong to "
+                    "no hit run (truncated or malformed)"
+                )
+            return out
         except CodecError:
             raise
         except (KeyError, IndexError, TypeError, ValueError) as e:
@@ -319,11 +338,14 @@ class BatchDecoder(DecodeContext):
             return self._run_op(tree)
         if tag == "X":
             return self._redistribute(tree)
+        if tag == "H":
+            return self._hit_run(tree[1])
+        if tag == "Y":
+            return self._define_hit(tree)
         if tag == "D":
-            pop = self._operands.pop
-            for i in tree[1]:
-                pop(i, None)
-            return Free([int(i) for i in tree[1]])
+            ids = [int(i) for i in tree[1]]
+            self._free(ids)
+            return Free(ids)
         if tag == "U":
             return Upload(self.operand(tree[1]), self.value(tree[2]))  # type: ignore[arg-type]
         if tag == "F":
@@ -348,6 +370,12 @@ class BatchDecoder(DecodeContext):
         _tag, node_id, ins, tmpl_tree, outs, call_site = tree
         inputs = [self.operand(r) for r in ins]
         tm = self._template(tmpl_tree)
+        return self._make_run_op(node_id, inputs, tm, outs, call_site)
+
+    def _make_run_op(
+        self, node_id: int, inputs: list[Operand | None], tm: _Template, outs: list[Any], call_site: Any
+    ) -> RunOp:
+        """The ``RunOp`` of template ``tm`` on ``inputs``; ``outs``: output trees (or operands)."""
         if tm.flat:
             args = _fill_flat(tm.args, inputs)
             kwargs = (
@@ -364,7 +392,7 @@ class BatchDecoder(DecodeContext):
             view_args = tuple(a for a in cargs if not isinstance(a, Operand))
         self._view_call = (tm.op, view_args)
         try:
-            outputs = [self.operand(r) for r in outs]
+            outputs = [r if type(r) is Operand else self.operand(r) for r in outs]
         finally:
             self._view_call = None
         call = OpCall(tm.op, cargs, ckwargs, inputs, tm.mesh, list(tm.placements), tm.out_meta)

@@ -25,6 +25,7 @@ from torch_dtorch.cluster.codec.common import (
     op_name,
     pl_str,
 )
+from torch_dtorch.cluster.codec.hits import HitEncoding, hits_enabled, pack
 from torch_dtorch.errors import NoRuleError
 from torch_dtorch.executor.constructor import REDISTRIBUTE, BoundOp
 from torch_dtorch.executor.instructions import (
@@ -254,11 +255,15 @@ def _meta_enc(m: TensorMeta) -> list[Any]:
     return [list(m.shape), str(m.dtype).removeprefix("torch."), None if m.stride is None else list(m.stride)]
 
 
-class BatchEncoder(EncodeContext):
+class BatchEncoder(EncodeContext, HitEncoding):
     """Controller side: one per cluster session. ``encode(batch)`` -> tree for ``wire.encode``: the instructions
-    as compact JSON bytes (one signed frame) plus the tensor constants (zero-copy frames)."""
+    as compact JSON bytes (one signed frame), the fast-path hits and frees as binary records (one signed frame,
+    :mod:`~torch_dtorch.cluster.codec.hits`) plus the tensor constants (zero-copy frames).
 
-    def __init__(self) -> None:
+    ``hits``: send hits as records (default ``DTORCH_WIRE_HITS``, on); ``False`` sends every instruction as JSON."""
+
+    def __init__(self, *, hits: bool | None = None) -> None:
+        self.hits = hits_enabled() if hits is None else hits
         super().__init__()
         self._batch_no = 0
         self._send_reset = True
@@ -266,6 +271,7 @@ class BatchEncoder(EncodeContext):
     def reset(self) -> None:
         """Forget every table; the next batch tells the decoders to forget theirs too."""
         super().reset()
+        self._hits_reset()
         self._batch_no = 0
         self._send_reset = True
 
@@ -279,19 +285,44 @@ class BatchEncoder(EncodeContext):
         for fast in self._fast.values():
             if len(fast) > MAX_FAST:  # identity index only: the decoder is not involved
                 fast.clear()
+        if len(self._hit_ok) > MAX_FAST:
+            self._hit_ok.clear()
         dropped: list[int] = []
         if len(self._operands) > MAX_OPERANDS:
             dropped = list(self._operands)[: len(self._operands) - MAX_OPERANDS * 3 // 4]
             for i in dropped:
                 del self._operands[i]
         self._tensors = []
+        words: list[int] = []
+        self._words = words
         try:
             instrs: list[Any] = []
-            for instr in batch:
-                if type(instr) is FastRun:
-                    instrs.extend(self._instr(part) for part in instr.expand())
-                else:
-                    instrs.append(self._instr(instr))
+            if self.hits:
+                mark = 0  # words[mark:] are records the JSON list does not place yet
+                hit, free_words = self._hit, self._free_words
+                for instr in batch:
+                    t = type(instr)
+                    if t is FastRun:
+                        trees = hit(instr)  # type: ignore[arg-type]
+                        if trees is None:
+                            continue
+                    elif t is Free:
+                        free_words(instr.operand_ids)  # type: ignore[union-attr]
+                        continue
+                    else:
+                        trees = [self._instr(instr)]
+                    if len(words) > mark:
+                        instrs.append(["H", len(words) - mark])
+                        mark = len(words)
+                    instrs.extend(trees)
+                if len(words) > mark:
+                    instrs.append(["H", len(words) - mark])
+            else:
+                for instr in batch:
+                    if type(instr) is FastRun:
+                        instrs.extend(self._instr(part) for part in instr.expand())  # type: ignore[union-attr]
+                    else:
+                        instrs.append(self._instr(instr))
             payload = json.dumps(instrs, separators=(",", ":"), allow_nan=False).encode()
         except BaseException:
             self.reset()  # the tables may hold entries the decoders never saw: start over next batch
@@ -299,7 +330,9 @@ class BatchEncoder(EncodeContext):
         self._batch_no += 1
         reset, self._send_reset = self._send_reset, False
         tensors, self._tensors = self._tensors, []
-        return [MAGIC, VERSION, self._batch_no, reset, sorted(cleared), dropped, payload, tensors]
+        hits = pack(words) if words else None
+        self._words = []
+        return [MAGIC, VERSION, self._batch_no, reset, sorted(cleared), dropped, payload, hits, tensors]
 
     def _instr(self, instr: Any) -> Any:
         t = type(instr)

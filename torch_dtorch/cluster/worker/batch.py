@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from torch_dtorch.cluster.codec.hits import HitRun
 from torch_dtorch.cluster.heartbeat import HeartbeatClient
-from torch_dtorch.cluster.transport import MessageKind, Pusher, TransportError
+from torch_dtorch.cluster.transport import MessageKind, Pusher
 
 if TYPE_CHECKING:
     from torch_dtorch.cluster.worker.process import WorkerProcess
@@ -54,13 +55,16 @@ def op_name(instr: Any) -> str:
     if node is not None:
         outs = getattr(node, "outputs", ())
         return f"{node.name} -> %{outs[0].id}" if outs else str(node.name)
+    if type(instr) is HitRun:
+        return instr.name
     return type(instr).__name__
 
 
 class BatchRun:
-    """One batch on the kernel thread: run every instruction, then acknowledge the batch. When the last instruction
+    """One batch on the kernel thread: run every instruction, then note the batch as done. When the last instruction
     sends a value (a barrier marker, a fetch: what a waiting caller needs), the acknowledgement rides on that value
-    message instead of a message of its own (one message per round trip instead of two)."""
+    message. Otherwise it is *cumulative*: the process acknowledges the latest batch it ran once no further batch is
+    waiting (:meth:`WorkerProcess.ack_if_idle`), so a stream of batches costs one ACK, not one per batch."""
 
     __slots__ = ("proc", "seq", "batch")
 
@@ -83,10 +87,8 @@ class BatchRun:
             proc.worker.run_batch(batch, before=before)
         finally:
             proc.hb.note_idle()
-        if proc.ack_with_value is None:
+        if proc.ack_with_value is None and batch:
+            proc.unacked = None  # the last instruction's reply acknowledged it (and every batch before)
             return
         proc.ack_with_value = None
-        try:
-            proc.pusher.send({"ack": self.seq}, kind=MessageKind.ACK)
-        except TransportError:
-            pass
+        proc.unacked = seq

@@ -97,6 +97,8 @@ class WorkerProcess:
         self.ipc: Any = None  # WorkerIpc when CUDA tensors travel as CUDA IPC handles (local CUDA workers)
         #: on the kernel thread: the batch whose last instruction runs now (acknowledged with its reply)
         self.ack_with_value: int | None = None
+        #: on the kernel thread: the latest batch run but not acknowledged yet (see :meth:`ack_if_idle`)
+        self.unacked: int | None = None
         #: messages this worker dropped (count, latest texts; reported to the controller rate-limited)
         self.rejects = RejectLog(log, f"worker {self.worker_id}", interval_s=_REJECT_REPORT_S)
 
@@ -175,6 +177,7 @@ class WorkerProcess:
         self._attach_shm(w)
 
         self.decoder = BatchDecoder()
+        self.decoder.progress = self.hb.note_op  # a hit record run on the general path names its op
         self._build_worker()
         data = threading.Thread(target=self._data_loop, name=f"dtorch-data-{self.device}", daemon=True)
         self._data_thread = data
@@ -313,9 +316,24 @@ class WorkerProcess:
         except BaseException as e:  # noqa: BLE001 - the process cannot go on without its batch loop
             self._fatal(f"the batch loop failed: {type(e).__name__}: {e}")
 
+    def ack_if_idle(self) -> None:
+        """Acknowledge the latest batch run (cumulative: the controller takes it for every batch up to it)."""
+        seq, self.unacked = self.unacked, None
+        if seq is not None:
+            try:
+                self.pusher.send({"ack": seq}, kind=MessageKind.ACK)
+            except TransportError:
+                pass
+
     def _recv_one(self, timeout: float, *, inline: bool = False) -> None:
         try:
-            msg = self.sub.recv(timeout)
+            msg = None
+            if self.unacked is not None:  # acknowledge only when no further batch is waiting already
+                msg = self.sub.recv(0)
+                if msg is None:
+                    self.ack_if_idle()
+            if msg is None:
+                msg = self.sub.recv(timeout)
         except SequenceError as e:
             self._fatal(f"lost batch messages: {e}")
             return
@@ -325,7 +343,7 @@ class WorkerProcess:
             try:
                 batch = self.decoder.decode(msg.body)
             except Exception as e:  # noqa: BLE001 - the instruction stream cannot continue
-                self._fatal(f"could not decode batch {msg.seq}: {type(e).__name__}: {e}")
+                self._fatal(f"could not decode batch {msg.seq} from {msg.sender!r}: {type(e).__name__}: {e}")
                 return
             run = BatchRun(self, msg.seq, batch)
             if inline:

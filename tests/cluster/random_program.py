@@ -1,0 +1,134 @@
+"""Randomized eager programs for the process-mode wire: interleaved chains of small ops (most of them fast-path
+hits, so they travel as binary hit records), frees, in-place ops, ``x + x``, redistributes and fetches.
+
+A program is a list of steps made from a seed alone (:func:`make_program`), so the same program runs on any
+backend: :func:`run_dtorch` on a dtorch mesh (thread or process mode) and :func:`run_torch` on plain tensors. Both
+return every fetched value in order. Pointwise ops on shards are bit-identical to the global op, so dtorch results
+must *equal* torch's.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import torch_dtorch as dt
+from torch_dtorch import Replicate, Shard
+
+__all__ = ["make_program", "run_dtorch", "run_torch"]
+
+SHAPE = (8, 6)
+SLOTS = 6
+
+#: (name, arity, fn) of the ops a step may apply; each keeps the shape, so any slot can feed any op
+UNARY: list[tuple[str, Callable[[Any], Any]]] = [
+    ("mul_half", lambda x: x * 0.5),
+    ("add_1", lambda x: x + 1.0),
+    ("neg", lambda x: -x),
+    ("sigmoid", torch.sigmoid),
+    ("tanh", torch.tanh),
+    ("clamp", lambda x: x.clamp(-2.0, 2.0)),
+    ("square", lambda x: x * x),  # one operand in two slots: the JSON path
+]
+BINARY: list[tuple[str, Callable[[Any, Any], Any]]] = [
+    ("add", lambda x, y: x + y),
+    ("sub", lambda x, y: x - y),
+    ("mul", lambda x, y: x * y),
+    ("maximum", torch.maximum),
+    ("addcmul", lambda x, y: torch.addcmul(x, x, y, value=0.25)),
+]
+
+
+def make_program(seed: int, steps: int) -> list[tuple[Any, ...]]:
+    """Steps: ``("init", slot, seed, shard)``, ``("un", dst, src, k)``, ``("bin", dst, a, b, k)``,
+    ``("chain", slot, k, n)`` (n repeats of one unary op: a run of hit records), ``("inplace", slot)``,
+    ``("free", slot)``, ``("move", slot, shard)`` (redistribute) and ``("fetch", slot)``."""
+    rng = random.Random(seed)
+    prog: list[tuple[Any, ...]] = [
+        ("init", s, rng.randrange(1 << 30), rng.random() < 0.5) for s in range(SLOTS)
+    ]
+    live = set(range(SLOTS))
+    for _ in range(steps):
+        r = rng.random()
+        if not live:
+            s = rng.randrange(SLOTS)
+            prog.append(("init", s, rng.randrange(1 << 30), rng.random() < 0.5))
+            live.add(s)
+            continue
+        src = rng.choice(sorted(live))
+        dst = rng.randrange(SLOTS)
+        if r < 0.3:
+            prog.append(("un", dst, src, rng.randrange(len(UNARY))))
+            live.add(dst)
+        elif r < 0.55:
+            prog.append(("bin", dst, src, rng.choice(sorted(live)), rng.randrange(len(BINARY))))
+            live.add(dst)
+        elif r < 0.75:
+            prog.append(("chain", src, rng.randrange(len(UNARY) - 1), rng.randrange(2, 40)))
+        elif r < 0.8:
+            prog.append(("inplace", src))
+        elif r < 0.88:
+            prog.append(("free", src))
+            live.discard(src)
+        elif r < 0.93:
+            prog.append(("move", src, rng.random() < 0.5))
+        else:
+            prog.append(("fetch", src))
+    prog.extend(("fetch", s) for s in sorted(live))
+    return prog
+
+
+def _init(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g)
+
+
+def _run(
+    prog: list[tuple[Any, ...]],
+    make: Callable[[torch.Tensor, bool], Any],
+    move: Callable[[Any, bool], Any],
+    fetch: Callable[[Any], torch.Tensor],
+) -> list[torch.Tensor]:
+    slots: dict[int, Any] = {}
+    out: list[torch.Tensor] = []
+    for step in prog:
+        kind = step[0]
+        if kind == "init":
+            slots[step[1]] = make(_init(step[2]), step[3])
+        elif kind == "un":
+            slots[step[1]] = UNARY[step[3]][1](slots[step[2]])
+        elif kind == "bin":
+            slots[step[1]] = BINARY[step[4]][1](slots[step[2]], slots[step[3]])
+        elif kind == "chain":
+            x, fn = slots[step[1]], UNARY[step[2]][1]
+            for _ in range(step[3]):
+                x = fn(x)
+            slots[step[1]] = x
+        elif kind == "inplace":
+            slots[step[1]].mul_(0.75).add_(0.125)
+        elif kind == "free":
+            del slots[step[1]]  # the last reference: the workers free its blobs (a Free record)
+        elif kind == "move":
+            slots[step[1]] = move(slots[step[1]], step[2])
+        elif kind == "fetch":
+            out.append(fetch(slots[step[1]]))
+    return out
+
+
+def run_torch(prog: list[tuple[Any, ...]]) -> list[torch.Tensor]:
+    return _run(prog, lambda t, _s: t.clone(), lambda x, _s: x, lambda x: x.clone())
+
+
+def run_dtorch(prog: list[tuple[Any, ...]], mesh: dt.DeviceMesh) -> list[torch.Tensor]:
+    def placements(shard: bool) -> list[Any]:
+        return [Shard(0)] if shard and mesh.size() > 1 else [Replicate()]
+
+    return _run(
+        prog,
+        lambda t, s: dt.distribute_tensor(t, mesh, placements(s)),
+        lambda x, s: x.redistribute(mesh, placements(s)),
+        lambda x: x.full_tensor(),
+    )

@@ -1,0 +1,116 @@
+"""Binary hit records end to end (codec v2, ``cluster/codec/hits.py``): randomized programs of interleaved chains,
+frees, in-place ops, ``x + x``, redistributes and fetches give the same values in process mode (hits as records),
+process mode with every instruction as JSON, thread mode and plain torch — fixed seeds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import torch_dtorch as dt
+from tests.cluster.random_program import make_program, run_dtorch, run_torch
+from torch_dtorch.cluster.runner import ClusterRunner
+from torch_dtorch.device.state import get_session
+
+SEEDS = [0, 1, 2]
+STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def thread_results() -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Thread mode's values of every program (computed before the module's process cluster starts)."""
+    out = {}
+    for n in (1, 2):
+        mesh = dt.init_device_mesh("cpu", (n,), mode="thread")
+        for seed in SEEDS:
+            out[seed, n] = run_dtorch(make_program(seed, STEPS), mesh)
+    dt.shutdown()
+    return out
+
+
+class Counting:
+    """Counts the hit-record words and JSON instructions of every batch the runner encodes."""
+
+    def __init__(self, runner: ClusterRunner) -> None:
+        self.runner = runner
+        self.words = 0
+        self.batches = 0
+        self._encode = runner._encoder.encode
+
+    def __enter__(self) -> Counting:
+        def encode(batch: Any) -> Any:
+            tree = self._encode(batch)
+            self.batches += 1
+            self.words += len(tree[7] or b"") // 8
+            return tree
+
+        self.runner._encoder.encode = encode  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.runner._encoder.encode
+
+
+@pytest.fixture
+def process_mesh() -> Iterator[tuple[dt.DeviceMesh, ClusterRunner]]:
+    mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+    runner = get_session().executor.runner
+    assert isinstance(runner, ClusterRunner)
+    yield mesh, runner
+    runner._encoder.hits = True
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_program_matches_thread_mode_and_torch(
+    seed: int,
+    thread_results: dict[tuple[int, int], list[torch.Tensor]],
+    process_mesh: tuple[dt.DeviceMesh, ClusterRunner],
+) -> None:
+    mesh, runner = process_mesh
+    prog = make_program(seed, STEPS)
+    want = run_torch(prog)
+    with Counting(runner) as c:
+        got = run_dtorch(prog, mesh)
+    assert c.words > 0, "no hit record was sent: the test does not exercise the binary path"
+    assert len(got) == len(want) == len(thread_results[seed, 2])
+    for k, (g, t, w) in enumerate(zip(got, thread_results[seed, 2], want, strict=True)):
+        assert torch.equal(g, t), f"seed {seed}, fetch {k}: process mode differs from thread mode"
+        torch.testing.assert_close(
+            g, w, rtol=1e-6, atol=1e-6, msg=f"seed {seed}, fetch {k}: differs from torch"
+        )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_records_and_json_agree_bit_for_bit(
+    seed: int, process_mesh: tuple[dt.DeviceMesh, ClusterRunner]
+) -> None:
+    mesh, runner = process_mesh
+    prog = make_program(seed + 100, STEPS)
+    runner._encoder.hits = False
+    with Counting(runner) as c:
+        json_values = run_dtorch(prog, mesh)
+    assert c.words == 0
+    runner._encoder.hits = True
+    with Counting(runner) as c:
+        hit_values = run_dtorch(prog, mesh)
+    assert c.words > 0
+    for k, (a, b) in enumerate(zip(json_values, hit_values, strict=True)):
+        assert torch.equal(a, b), f"seed {seed + 100}, fetch {k}: records and JSON differ"
+
+
+def test_one_device_long_chain_is_exact(process_mesh: tuple[dt.DeviceMesh, ClusterRunner]) -> None:
+    """The benchmark's shape: a long chain on one device, frees in between, most ops records."""
+    mesh = dt.init_device_mesh("cpu", (1,), mode="process")
+    runner = get_session().executor.runner
+    x0, b0 = torch.randn(16, 16), torch.randn(16, 16)
+    x, b = dt.distribute_tensor(x0, mesh, [dt.Replicate()]), dt.distribute_tensor(b0, mesh, [dt.Replicate()])
+    with Counting(runner) as c:
+        for _ in range(600):
+            x = x * 0.5 + b
+            x0 = x0 * 0.5 + b0
+        got = x.full_tensor()
+    assert torch.equal(got, x0)
+    assert c.words >= 5 * 1100, c.words  # nearly every op a record (3 + 2 words), plus the frees
