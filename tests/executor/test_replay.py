@@ -223,3 +223,24 @@ def test_native_entries_are_given_back_at_shutdown() -> None:
     assert module.live() > before
     dt.shutdown()
     assert module.live() == before
+
+
+@pytest.mark.skipif(native_extension() is None, reason="the native worker loop is not built here")
+def test_ops_reading_what_the_chain_just_made_stay_in_the_chain(mesh: dt.DeviceMesh) -> None:
+    """``x = x * 0.5 + b``: every op reads the output of the op before it, which the pending chain makes (no blob
+    yet); they must all run in the native loop, not one in the chain and the next on the Python replay."""
+    x0, b0 = torch.randn(8, 4), torch.randn(8, 4)
+    x = dt.distribute_tensor(x0, mesh, [Shard(0)])
+    b = dt.distribute_tensor(b0, mesh, [Shard(0)])
+    for _ in range(3):  # plans, then teaches the fast path
+        x = x * 0.5 + b
+    dt.sync()
+    before = _chains_ran()
+    for _ in range(50):
+        x = x * 0.5 + b
+    dt.sync()
+    ref = x0
+    for _ in range(53):
+        ref = ref * 0.5 + b0
+    assert torch.equal(x.full_tensor(), ref)
+    assert _chains_ran() - before == 100 * mesh.size()

@@ -287,6 +287,13 @@ class Worker:
         local_call = self._resolved.get(key, _UNRESOLVED)
         if local_call is None:
             return False
+        if chain is not None:
+            if local_call is not _UNRESOLVED and local_call.native >= 0:
+                # the inputs the chain makes are no blobs yet: the chain takes them; a missing or poisoned blob
+                # refuses the op (the general path makes or passes on the sticky error)
+                return self._chained(local_call, op, inputs, outputs, call_site, chain)
+            if len(chain):
+                chain.flush()  # resolving and the Python replay read the blobs the chain makes
         blobs = self.blobs
         ins: list[Blob | None] = []
         for x in inputs:
@@ -310,19 +317,29 @@ class Worker:
             self._resolved[key] = local_call
             if local_call is None:
                 return False
-        if chain is not None:
-            if local_call.native >= 0:
-                ids = [x.id for x in inputs if x is not None]
-                if chain.add(local_call.native, op, ids, [o.id for o in outputs], call_site):
-                    self.executed += 1
-                    self.replayed += 1
-                    return True
-                return False  # an input the chain cannot take: the general path
-            if len(chain):
-                chain.flush()
+            if chain is not None and local_call.native >= 0:
+                return self._chained(local_call, op, inputs, outputs, call_site, chain)
         self.executed += 1
         self.replayed += 1
         self.op_runner.run_resolved(local_call, ins, outputs, op=op, call_site=call_site)
+        return True
+
+    def _chained(
+        self,
+        local_call: LocalCall,
+        op: Any,
+        inputs: list[Operand | None],
+        outputs: list[Operand],
+        call_site: str | None,
+        chain: NativeChain,
+    ) -> bool:
+        """Queue a resolved op with a native handle on ``chain``; ``False``: an input the chain cannot take."""
+        if not chain.add(
+            local_call.native, op, [x.id for x in inputs if x is not None], [o.id for o in outputs], call_site
+        ):
+            return False
+        self.executed += 1
+        self.replayed += 1
         return True
 
     def _upload(self, instr: Upload) -> None:
