@@ -27,7 +27,7 @@ from torch_dtorch.executor.fast import FastPlan
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
-from torch_dtorch.placement_rules.rule import add_rule_listener
+from torch_dtorch.placement_rules.rule import add_rule_listener, number_key
 
 __all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "native_kernel", "stats"]
 
@@ -159,11 +159,20 @@ class FastOp:
                 for v in a:
                     if isinstance(v, Tensor):
                         return MISS
-                key.append((type(a), tuple(map(type, a)), *a))
+                types = tuple(map(type, a))
+                if float in types or complex in types:
+                    key.append((type(a), types, *map(number_key, a)))
+                else:
+                    key.append((type(a), types, *a))
             else:
                 # tagged by type: a constant must never equal a layout id (ints) or another type's value
-                # (``1 == 1.0 == True``: ``x + 1`` and ``x + 1.0`` promote differently)
-                key.append((_CONST, type(a), a))
+                # (``1 == 1.0 == True``: ``x + 1`` and ``x + 1.0`` promote differently); a float equal to
+                # another is the same float except zeros (``0.0 == -0.0``) and NaNs (``nan != nan``): those by bits
+                t = type(a)
+                if (t is float and not (a and a == a)) or t is complex:
+                    key.append((_CONST, number_key(a)))
+                else:
+                    key.append((_CONST, t, a))
             i += 1
         if first is None:
             return MISS
@@ -171,7 +180,7 @@ class FastOp:
             for v in kwargs.values():
                 if isinstance(v, (Tensor, list)):
                     return MISS
-            key.append(tuple((k, type(v), v) for k, v in kwargs.items()))
+            key.append(tuple((k, type(v), number_key(v)) for k, v in kwargs.items()))
         try:
             tpl = self.cache.get(tuple(key))
         except TypeError:  # an unhashable constant

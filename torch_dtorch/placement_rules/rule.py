@@ -17,6 +17,7 @@ whole (views and semantic composite ops that the dispatcher would otherwise deco
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ from torch_dtorch.placement_rules.signature import PlacementSignature, all_repli
 __all__ = [
     "FunctionRule",
     "add_rule_listener",
+    "float_bits",
+    "number_key",
     "OpPlan",
     "OpRule",
     "get_rule",
@@ -240,8 +243,31 @@ _PLAN_CACHE: dict[tuple[Any, ...], OpPlan] = {}
 _PLAN_CACHE_SIZE = 8192
 
 
+_DOUBLE = struct.Struct("<d")
+
+
+def float_bits(v: float) -> int:
+    """The IEEE bits of ``v``: unlike ``==``, they tell ``0.0`` from ``-0.0`` and make a NaN equal to itself."""
+    return int.from_bytes(_DOUBLE.pack(v), "little", signed=True)
+
+
+def number_key(v: Any) -> Any:
+    """A hashable key of one Python number such that equal keys mean interchangeable values: tagged by type
+    (``1 == 1.0 == True`` but they promote differently) and floats by their bits (``0.0 == -0.0`` but ``x * -0.0``
+    flips the signs of zeros; ``nan != nan`` would make a key never hit). Other values are returned unchanged."""
+    t = type(v)
+    if t is float:
+        return (float, float_bits(v))
+    if t is complex:
+        return (complex, float_bits(v.real), float_bits(v.imag))
+    if t is int or t is bool:
+        return (t, v)
+    return v
+
+
 def _const_key(v: Any) -> Any:
-    """A hashable stand-in for the non-tensor structure of the arguments (operands become None)."""
+    """A hashable stand-in for the non-tensor structure of the arguments (operands become None; numbers by
+    :func:`number_key`)."""
     t = type(v)
     if t is tuple or t is list:
         return tuple([_const_key(x) for x in v])
@@ -250,7 +276,7 @@ def _const_key(v: Any) -> Any:
     if isinstance(v, Operand):
         return None
     hash(v)
-    return v
+    return number_key(v)
 
 
 def _plan_key(
