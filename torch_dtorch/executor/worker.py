@@ -8,6 +8,7 @@ Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.op_runner`)
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -132,6 +133,9 @@ class Worker:
             self._chain = NativeChain(device, self.blobs, stream)
         self.executed = 0  # instructions that concerned this device (for tests and stats)
         self.replayed = 0  # of which fast-path hits replayed through their resolved local call
+        #: ops run on the general local path (``OpRunner.run_op``), per operator name (for tests and benchmarks:
+        #: what the replay does not cover yet)
+        self.general: Counter[str] = Counter()
 
     # --- entry points -------------------------------------------------------------------------------------------
     def run_batch(
@@ -188,6 +192,7 @@ class Worker:
         if node.assign is None or self.device not in node.assign.devices:
             return
         self.executed += 1
+        self.general[node.name] += 1
         self.op_runner.run_op(node, instr=instr, call_site=self._call_site(instr))
 
     def _on_redistribute(self, instr: Redistribute) -> None:
@@ -282,7 +287,7 @@ class Worker:
         if self.device not in devices:
             return True
         # (a rule patched at run time — tests, tools — takes the general path)
-        if not rule.kernel_is_op(op) or "localize" in vars(rule):
+        if not rule.may_run_op_as_is(op) or "localize" in vars(rule):
             return False
         local_call = self._resolved.get(key, _UNRESOLVED)
         if local_call is None:
