@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -154,12 +154,41 @@ class Worker:
                     before(i, instr)
                 self.execute(instr)
             return
+        # the hot lane: a fast-path hit whose plan this worker resolved to a native call goes onto the chain with no
+        # further Python (the checks of ``_replay_call`` are made once per batch, and once per plan and batch)
+        resolved = (
+            self._resolved if self._replay_on and not self.op_runner.validate and not kernel_hooks() else {}
+        )
+        checked: set[Any] = set()
+        device = self.device
         try:
             for i, instr in enumerate(batch):
                 if before is not None:
                     before(i, instr)
                 t = type(instr)
                 if t is FastRun:
+                    run = cast(FastRun, instr)
+                    plan = run.plan
+                    local_call = resolved.get(plan)
+                    if (
+                        local_call is not None
+                        and local_call is not _UNRESOLVED
+                        and local_call.native >= 0
+                        and not plan.nmoves
+                        and (plan in checked or self._replayable(plan, checked))
+                    ):
+                        if device not in plan.assign.devices:
+                            continue
+                        if chain.add(
+                            local_call.native,
+                            plan.op,
+                            [x.id for x in run.inputs if x is not None],
+                            [o.id for o in run.outputs],
+                            run.call_site,
+                        ):
+                            self.executed += 1
+                            self.replayed += 1
+                            continue
                     if self._replay(instr, chain):  # type: ignore[arg-type]
                         continue
                 elif t is RunOp:
@@ -174,6 +203,15 @@ class Worker:
         finally:
             if len(chain):
                 chain.flush()
+
+    @staticmethod
+    def _replayable(plan: Any, checked: set[Any]) -> bool:
+        """The plan's rule still runs the op as is (not patched at run time: tests, tools); noted in ``checked``."""
+        rule = plan.rule
+        if not rule.may_run_op_as_is(plan.op) or "localize" in vars(rule):
+            return False
+        checked.add(plan)
+        return True
 
     def execute(self, instr: Instruction) -> None:
         """Execute one instruction if it concerns this device (never raises: failures become sticky errors). One

@@ -104,11 +104,13 @@ def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False)
             template.append(a)
     if len(slots) + sum(len(ks) for _, ks in list_slots) != sum(x is not None for x in inputs):
         return None  # an input the arguments do not name directly
-    if list_slots:  # the Python replay (the native loop takes tensors, not lists)
-        return LocalCall(op, tuple(template), dict(kwargs), tuple(slots), list_slots=tuple(list_slots))
     present = {k: j for j, k in enumerate(k for k, x in enumerate(inputs) if x is not None)}
-    positions = [0] * len(slots)
+    positions = [0] * len(present)
+    elements = [-1] * len(present)
     for pos, k in slots:
         positions[present[k]] = pos
-    handle = native_handle(op, args, kwargs, positions) if native else -1
-    return LocalCall(op, tuple(template), dict(kwargs), tuple(slots), handle)
+    for pos, ks in list_slots:
+        for j, k in enumerate(ks):
+            positions[present[k]], elements[present[k]] = pos, j
+    handle = native_handle(op, args, kwargs, positions, elements) if native else -1
+    return LocalCall(op, tuple(template), dict(kwargs), tuple(slots), handle, tuple(list_slots))
