@@ -5,8 +5,9 @@ blocks, 24 heads x 128) and random weights (bf16 on CUDA, float32 on CPU; nothin
 shrinks it, and on the CPU the widths are tiny (the structure is the same). Both run eagerly in ``--rounds``
 alternating rounds (warm-up, then ``--steps`` synchronized steps; the order flips every round); each is the median of
 all its timed steps. Printed: both medians, the ratio dtorch / torch (issue 20's target on an H200: <= 1.05), whether
-the outputs are bit-identical, and the eager fast path's figures for one step (hits, misses, and the calls planned in
-full: ``GraphConstructor.num_planned``).
+the outputs are bit-identical, and the eager fast path's figures for one step (hits, misses, the calls planned in
+full: ``GraphConstructor.num_planned``, and in thread mode the ops the workers ran on their general local path:
+``Worker.general``).
 
     python bench/eager_flux.py                                  # full size, CUDA, thread mode
     python bench/eager_flux.py --layers 2 4                     # part of the model
@@ -33,18 +34,30 @@ from compile_flux_gpu import FLUX_DEV, TINY, build_model, distribute_module, mak
 log = logging.getLogger("bench.eager_flux")
 
 
-def step_figures(step: Any) -> dict[str, int]:
-    """Fast-path hits and misses and fully planned calls of one dtorch step (after warm-up)."""
+def step_figures(step: Any, sync: Any, mesh: Any) -> dict[str, Any]:
+    """Fast-path hits and misses and fully planned calls of one dtorch step (after warm-up), and the ops the
+    workers ran on their general local path (not replayed), per operator name (thread mode; summed over workers)."""
+    from collections import Counter
+
     from torch_dtorch.device import fastpath
     from torch_dtorch.device.state import get_session
 
-    constructor = get_session().executor.constructor
+    executor = get_session().executor
+    constructor = executor.constructor
+    workers = [  # (a shared pool may hold more workers than the mesh; process mode: none in this process)
+        w for w in getattr(executor.runner, "workers", {}).values() if w.device in mesh.devices
+    ]
+    sync()
+    general = sum((Counter(w.general) for w in workers), Counter())
     hits, misses, planned = fastpath.stats["hit"], fastpath.stats["miss"], constructor.num_planned
     step()
+    sync()
+    after = sum((Counter(w.general) for w in workers), Counter())
     return {
         "hits": fastpath.stats["hit"] - hits,
         "misses": fastpath.stats["miss"] - misses,
         "planned": constructor.num_planned - planned,
+        "worker_general": dict(after - general) if workers else None,
     }
 
 
@@ -137,8 +150,7 @@ def _run(
                     ref = last
                 else:
                     out = last
-        figures = step_figures(step_d)
-        dsync()
+        figures = step_figures(step_d, dsync, mesh)
         assert ref is not None and out is not None
         got = out.full_tensor().cpu()
         ref = ref.cpu()
@@ -159,6 +171,10 @@ def _run(
         "per dtorch step: %d fast-path hits, %d misses, %d calls planned in full",
         figures["hits"], figures["misses"], figures["planned"],
     )  # fmt: skip
+    if figures["worker_general"] is not None:
+        log.info(
+            "per dtorch step, ops on the workers' general path (not replayed): %s", figures["worker_general"]
+        )
     dt.shutdown()
     return result
 

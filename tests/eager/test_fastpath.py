@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_dtorch as dt
-from tests.eager.conftest import init_mesh
+from tests.eager.conftest import TEST_MODE, init_mesh
 from torch_dtorch import Partial, Replicate, Shard
 from torch_dtorch.device import fastpath
 
@@ -129,3 +129,56 @@ def test_constants_never_collide_with_layouts_or_other_types() -> None:
         assert (i + 1.0).full_tensor().dtype == torch.float32
         assert (i + True).full_tensor().tolist() == [1, 2, 3, 4]
         assert x.view([2, 2]).shape == (2, 2) and x.view([4]).shape == (4,)
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal values, signs of zeros and NaNs where torch has them (``torch.equal`` alone takes ``-0.0 == 0.0`` and
+    ``nan != nan``). Process mode: the signs of NaNs are not compared (the wire sends a NaN constant as ``"nan"``)."""
+    nan = want.isnan()
+    signs = got.signbit() == want.signbit()
+    if TEST_MODE != "thread":
+        signs |= nan
+    return (
+        torch.equal(got.isnan(), nan)
+        and bool(signs.all())
+        and torch.equal(got.masked_fill(nan, 0), want.masked_fill(nan, 0))
+    )
+
+
+SIGNED_CONSTANTS: list[tuple[str, Callable[[Any, float], Any]]] = [
+    ("mul", lambda a, c: a * c),
+    ("mul_scalar", lambda a, c: torch.ops.aten.mul.Scalar(a, c)),
+    ("full_like_kw", lambda a, c: torch.full_like(a, fill_value=c)),
+    ("add_alpha_kw", lambda a, c: torch.add(a, a, alpha=c)),
+]
+
+
+@pytest.mark.parametrize(("name", "fn"), SIGNED_CONSTANTS, ids=[c[0] for c in SIGNED_CONSTANTS])
+def test_signed_zeros_and_nans_are_distinct_constants(name: str, fn: Callable[[Any, float], Any]) -> None:
+    """``x * -0.0`` after ``x * 0.0`` must not replay the ``+0.0`` call (``0.0 == -0.0`` in Python), and a NaN
+    constant hits its own template (``nan != nan``) instead of missing every time."""
+    mesh = init_mesh((2,))
+    a = torch.tensor([[1.5, -2.0, 0.0], [-0.0, 3.0, -1.0]])
+    x = dt.distribute_tensor(a, mesh, [Shard(0)])
+    nan = float("nan")
+    for round_ in range(3):
+        for c in (0.0, -0.0, nan, -nan, 1.0):
+            got, delta = _stats_delta(lambda c=c: dt.to_torch(fn(x, c)))
+            want = fn(a, c)
+            assert _same_bits(got, want), f"{name}({c}) round {round_}: {got} vs torch {want}"
+            if round_:
+                assert delta["miss"] == 0, f"{name}({c}) missed the fast path in round {round_}: {delta}"
+
+
+def test_int_and_float_constants_plan_apart() -> None:
+    """The plan cache keys numbers by type too: ``i + 1.0`` first must not give ``i + 1`` a float output (or the
+    reverse)."""
+    mesh = init_mesh((1,))
+    i = dt.distribute_tensor(torch.arange(15).view(5, 3), mesh, [Replicate()])
+    j = dt.distribute_tensor(torch.arange(14).view(7, 2), mesh, [Replicate()])
+    for _ in range(2):
+        for t, ref in ((i, torch.arange(15).view(5, 3)), (j, torch.arange(14).view(7, 2))):
+            for c in (1.0, 1) if t is i else (1, 1.0):
+                y, want = t + c, ref + c
+                assert y.dtype == want.dtype, (c, y.dtype)  # the operand's metadata (the plan's)
+                assert torch.equal(y.full_tensor(), want)

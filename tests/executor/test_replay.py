@@ -223,3 +223,46 @@ def test_native_entries_are_given_back_at_shutdown() -> None:
     assert module.live() > before
     dt.shutdown()
     assert module.live() == before
+
+
+@pytest.mark.skipif(native_extension() is None, reason="the native worker loop is not built here")
+def test_ops_reading_what_the_chain_just_made_stay_in_the_chain(mesh: dt.DeviceMesh) -> None:
+    """``x = x * 0.5 + b``: every op reads the output of the op before it, which the pending chain makes (no blob
+    yet); they must all run in the native loop, not one in the chain and the next on the Python replay."""
+    x0, b0 = torch.randn(8, 4), torch.randn(8, 4)
+    x = dt.distribute_tensor(x0, mesh, [Shard(0)])
+    b = dt.distribute_tensor(b0, mesh, [Shard(0)])
+    for _ in range(3):  # plans, then teaches the fast path
+        x = x * 0.5 + b
+    dt.sync()
+    before = _chains_ran()
+    for _ in range(50):
+        x = x * 0.5 + b
+    dt.sync()
+    ref = x0
+    for _ in range(53):
+        ref = ref * 0.5 + b0
+    assert torch.equal(x.full_tensor(), ref)
+    assert _chains_ran() - before == 100 * mesh.size()
+
+
+@pytest.mark.skipif(native_extension() is None, reason="the native worker loop is not built here")
+def test_tensor_lists_and_reductions_run_in_the_native_loop(mesh: dt.DeviceMesh) -> None:
+    """``stack``/``cat`` take a ``Tensor[]``: the native loop builds the list from the chain's tensors; a reduction
+    whose rank holds the reduced dim is the op itself."""
+    a0, b0 = torch.randn(6, 4), torch.randn(6, 4)
+    a = dt.distribute_tensor(a0, mesh, [Shard(0)])
+    b = dt.distribute_tensor(b0, mesh, [Shard(0)])
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.stack([x * 2.0, y], dim=0).sum(0), y], dim=1)
+
+    for _ in range(3):
+        step(a, b)
+    dt.sync()
+    before = _chains_ran()
+    for _ in range(10):
+        out = step(a, b)
+    dt.sync()
+    assert torch.equal(out.full_tensor(), step(a0, b0))
+    assert _chains_ran() - before == 40 * mesh.size()

@@ -15,14 +15,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_dtorch.errors import DTorchError
+from torch_dtorch.executor.fast import FastPlan
 from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.mesh import DeviceMesh, current_mesh
 from torch_dtorch.placement import Replicate
+from torch_dtorch.placement_rules.rule import add_rule_listener, const_key
 
 if TYPE_CHECKING:
     from torch_dtorch.device.state import Session
 
-__all__ = ["Deferred", "NoMeshError", "bind", "defer_factory", "defer_upload", "fallback_mesh", "host_value"]
+__all__ = [
+    "Deferred",
+    "NoMeshError",
+    "bind",
+    "defer_factory",
+    "defer_upload",
+    "fallback_mesh",
+    "host_value",
+    "record_factory",
+]
 
 
 class NoMeshError(DTorchError, RuntimeError):
@@ -96,12 +107,62 @@ def bind(rt: Session, x: Operand, mesh: DeviceMesh) -> Operand:
     ex = rt.executor
     placements = [Replicate()] * mesh.ndim
     if deferred.kind == "factory":
-        out = ex.call(
-            deferred.op, *deferred.args, device_mesh=mesh, placements=[placements], **deferred.kwargs
-        )
+        out = record_factory(ex, deferred.op, deferred.args, deferred.kwargs, mesh, placements=placements)
     else:
         assert deferred.value is not None
         out = ex.constructor.input(tuple(x.shape), mesh, placements, dtype=x.dtype)
         ex.upload(out, deferred.value)
     deferred.bound[mesh] = out
     return out
+
+
+#: ``(op, constants, mesh) -> FastPlan`` of the factories bound so far: model code makes the same
+#: ``torch.arange(n, device=x.device)`` every step, and its binding replays the plan instead of planning again
+_FACTORY_PLANS: dict[tuple[Any, ...], FastPlan] = {}
+_MAX_FACTORY_PLANS = 4096
+
+
+def record_factory(
+    ex: Any,
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mesh: DeviceMesh,
+    *,
+    placements: list[Any] | None = None,
+) -> Operand:
+    """``op(*args, **kwargs)`` (a factory: no tensor inputs) recorded on ``mesh`` in ``placements`` (default: the
+    rule's, Replicate): planned once per op, constants, mesh and placements, then replayed like a fast-path hit."""
+    try:
+        pl = None if placements is None else tuple(placements)
+        key: tuple[Any, ...] | None = (op, const_key(args), const_key(kwargs), mesh, pl)
+        plan = _FACTORY_PLANS.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable constant
+        key, plan = None, None
+    if plan is not None:
+        return ex.record_fast(plan, args, [])[0]
+    constructor = ex.constructor
+    before = constructor.last_call
+    if placements is None:
+        out = ex.call(op, *args, device_mesh=mesh, **kwargs)
+    else:
+        out = ex.call(op, *args, device_mesh=mesh, placements=[placements], **kwargs)
+    last = constructor.last_call
+    if key is None or last is None or last is before or last.op is not op or not isinstance(out, Operand):
+        return out
+    if len(last.outputs) == 1 and last.outputs[0] is out and not last.moved and not last.call.inputs:
+        if len(_FACTORY_PLANS) >= _MAX_FACTORY_PLANS:
+            _FACTORY_PLANS.clear()
+        out_specs = [(last.plan.out_meta[0], out.mesh, out.placements)]
+        _FACTORY_PLANS[key] = FastPlan(
+            last.rule, last.call, [], out_specs, last.plan.assign, last.plan.cost, ()
+        )
+    return out
+
+
+def _rule_changed(op: Any) -> None:
+    for key in [k for k in _FACTORY_PLANS if k[0] is op]:
+        del _FACTORY_PLANS[key]
+
+
+add_rule_listener(_rule_changed)

@@ -17,6 +17,7 @@ from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.placement import Replicate, is_partial, is_replicate
 from torch_dtorch.placement_rules import OpCall, get_rule
 from torch_dtorch.placement_rules.inplace import InplaceRule
+from torch_dtorch.placement_rules.rule import add_rule_listener, const_key
 
 __all__ = ["DeviceMismatchError", "dispatch_op", "operand_of", "wrap"]
 
@@ -98,6 +99,29 @@ def _random(rt: Session, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     return wrap(rt, operand)
 
 
+#: ``(op, constants) -> output metas`` of deferred factories (model code makes the same ``torch.arange(n,
+#: device=x.device)`` every step; its shape inference runs on meta tensors through ``torch._refs``, ~1.8 ms)
+_FACTORY_METAS: dict[tuple[Any, ...], list[TensorMeta]] = {}
+
+
+def _factory_meta(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[TensorMeta]:
+    try:
+        key: tuple[Any, ...] | None = (op, const_key(args), const_key(kwargs))
+        metas = _FACTORY_METAS.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable constant
+        key, metas = None, None
+    if metas is None:
+        metas = get_rule(op).infer_meta(OpCall.make(op, args, kwargs))
+        if key is not None:
+            if len(_FACTORY_METAS) >= 4096:
+                _FACTORY_METAS.clear()
+            _FACTORY_METAS[key] = metas
+    return metas
+
+
+add_rule_listener(lambda op: _FACTORY_METAS.clear())  # (a replaced rule may infer otherwise)
+
+
 def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Record ``op`` on dtorch tensors; returns dtorch tensors at once (the workers run it asynchronously)."""
     rt = get_session()
@@ -111,7 +135,7 @@ def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     elif not operands:
         if binding.current_mesh() is None:
             # a factory with no mesh anywhere in sight: defer until a consumer gives it one
-            metas = get_rule(op).infer_meta(OpCall.make(op, args, kwargs))
+            metas = _factory_meta(op, args, kwargs)
             if len(metas) == 1:
                 return wrap(rt, binding.defer_factory(rt, op, args, kwargs, metas[0]))
         mesh = binding.fallback_mesh(rt, str(op))
@@ -129,7 +153,10 @@ def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         args, kwargs = map_only(Operand, lambda x: binding.bind(rt, x, mesh), (args, kwargs))
     rt.last_mesh = mesh
     try:
-        out = rt.executor.call(op, *args, device_mesh=None if operands else mesh, **kwargs)
+        if operands:
+            out = rt.executor.call(op, *args, **kwargs)
+        else:  # a factory on a mesh (``with mesh:``): planned once per op, constants and mesh
+            out = binding.record_factory(rt.executor, op, args, kwargs, mesh)
     except (PlacementMismatchError, PlacementError) as e:
         if get_rule(op).op_by_op_fallback:  # a list op no list signature fits: torch's per-tensor kernel
             log.debug("%s: op by op (%s)", op, str(e).splitlines()[0])

@@ -20,14 +20,15 @@ from typing import Any
 
 from torch import Tensor
 
-from torch_dtorch.device import dispatch, state
+from torch_dtorch.device import binding, dispatch, state
 from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.executor.constructor import redistribute_spec
 from torch_dtorch.executor.fast import FastPlan
 from torch_dtorch.graph import Operand
+from torch_dtorch.mesh import current_mesh
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
-from torch_dtorch.placement_rules.rule import add_rule_listener
+from torch_dtorch.placement_rules.rule import add_rule_listener, number_key
 
 __all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "native_kernel", "stats"]
 
@@ -59,6 +60,32 @@ def layout_of(x: Operand) -> int:
     return lid
 
 
+def _bind(
+    rt: Any, first: Operand | None, unbound: list[tuple[int, int, Operand]], key: list[Any], targs: list[Any]
+) -> Operand | None:
+    """Materialize the unbound operands of a call at ``targs[i]`` on the mesh the full path would pick (the first
+    bound input's, else the innermost ``with mesh:``, else the last op's) and put their layouts at ``key[k]``.
+    Returns the first tensor input; ``None``: no mesh in sight (the full path decides)."""
+    mesh = first.mesh if first is not None else current_mesh() or rt.last_mesh
+    if mesh is None:
+        return None
+    for i, k, x in unbound:
+        y = binding.bind(rt, x, mesh)
+        targs[i] = y
+        key[k] = layout_of(y)
+    return next(a for a in targs if isinstance(a, Operand))
+
+
+def _constant_key(a: Any) -> tuple[Any, ...]:
+    """The key of one constant argument. Tagged by type: a constant must never equal a layout id (ints) or another
+    type's value (``1 == 1.0 == True``: ``x + 1`` and ``x + 1.0`` promote differently); a float equal to another is
+    the same float except zeros (``0.0 == -0.0``) and NaNs (``nan != nan``): those by their bits."""
+    t = type(a)
+    if (t is float and not (a and a == a)) or t is complex:
+        return (_CONST, number_key(a))
+    return (_CONST, t, a)
+
+
 class _Template:
     """A learned fast-path template: ``plan`` is the :class:`FastPlan` a hit replays (built from the call's
     ``OpPlan``, the ``op_plan`` argument), with the output layouts and the slots a hit fills."""
@@ -79,8 +106,13 @@ class _Template:
     ) -> None:
         targets = op_plan.match.in_targets
         assert call.mesh is not None or not moved
+        lp = owner.list_pos
         moves = tuple(
-            (i, slot_pos[i], redistribute_spec(call.inputs[i], call.mesh, targets[i]))  # type: ignore[arg-type]
+            (
+                i,
+                slot_pos[i] if lp is None else (lp, i),  # a list op's slot i is element i of its list
+                redistribute_spec(call.inputs[i], call.mesh, targets[i]),  # type: ignore[arg-type]
+            )
             for i in moved
         )
         out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(op_plan.out_meta, outputs, strict=True))
@@ -91,6 +123,12 @@ class _Template:
         # the recorded call's positional arguments: the native kernel's hits only send the tensor inputs (its key
         # holds every constant, so a hit's constants are these)
         self.skeleton = tuple(targs)
+        self.plan.args_of = self.args_for
+        self.operand_slots: tuple[tuple[int, int], ...] = ()
+        self.const_slots: tuple[int, ...] = ()
+        self.tail: tuple[Any, ...] | None = None
+        if lp is not None:  # the list is the only tensor argument; a hit always sends its arguments
+            return
         n = len(targs)
         #: (tensor slot, position) of every slot holding an operand (a Python number in a tensor slot, ``x + 1.0``,
         #: is a constant: its slot's input is ``None``)
@@ -103,13 +141,15 @@ class _Template:
         d = owner.dense
         dense = d and n >= d and self.operand_slots == tuple((k, k) for k in range(d))
         self.tail = self.skeleton[d:] if dense else None
-        self.plan.args_of = self.args_for
 
     def args_for(self, inputs: list[Operand | None]) -> tuple[Any, ...]:
         """The positional arguments of a call with these tensor inputs (one per tensor slot)."""
         if self.tail is not None:
             return (*inputs[: self.owner.dense], *self.tail)
         args = list(self.skeleton)
+        if self.owner.list_pos is not None:
+            args[self.owner.list_pos] = list(inputs)
+            return tuple(args)
         for k, p in self.operand_slots:
             args[p] = inputs[k]
         return tuple(args)
@@ -118,10 +158,21 @@ class _Template:
 class FastOp:
     """The fast path of one overload (see the module docstring)."""
 
-    __slots__ = ("op", "slot_pos", "dense", "cache", "kind", "view_of")
+    __slots__ = ("op", "slot_pos", "dense", "cache", "kind", "view_of", "list_pos")
 
-    def __init__(self, op: Any, slot_pos: tuple[int, ...], kind: str, view_of: int | None) -> None:
+    def __init__(
+        self,
+        op: Any,
+        slot_pos: tuple[int, ...],
+        kind: str,
+        view_of: int | None,
+        *,
+        list_pos: int | None = None,
+    ) -> None:
         self.op = op
+        #: the position of the op's one tensor argument when it is a ``Tensor[]`` (``cat``, ``stack``): a call is
+        #: keyed by the layout of every element (see :meth:`_call_list`)
+        self.list_pos = list_pos
         self.slot_pos = slot_pos  # positional index of every tensor slot, in schema order
         #: n when the tensor slots are exactly positions 0..n-1 (the slots are then a prefix of the arguments)
         self.dense = len(slot_pos) if slot_pos == tuple(range(len(slot_pos))) else 0
@@ -133,11 +184,14 @@ class FastOp:
         rt = state._SESSION
         if rt is None:
             return MISS
+        if self.list_pos is not None:
+            return self._call_list(rt, args, kwargs)
         gen = rt.generation
         entry = TABLE.entry
         key: list[Any] = []
         targs = list(args)
         first: Operand | None = None
+        unbound: list[tuple[int, int, Operand]] | None = None
         i = 0
         for a in args:
             if isinstance(a, Tensor):
@@ -145,8 +199,15 @@ class FastOp:
                 if e is None or e.generation != gen or a.shape != e.shape:
                     return MISS
                 x = e.operand
-                if x.mesh is None:
-                    return MISS
+                if (
+                    x.mesh is None
+                ):  # bound below, as the full path binds it (``torch.arange(n, device=x.device)``)
+                    if unbound is None:
+                        unbound = []
+                    unbound.append((i, len(key), x))
+                    key.append(None)
+                    i += 1
+                    continue
                 lid = e.layout
                 if lid is None:
                     lid = layout_of(x)
@@ -159,19 +220,23 @@ class FastOp:
                 for v in a:
                     if isinstance(v, Tensor):
                         return MISS
-                key.append((type(a), tuple(map(type, a)), *a))
+                types = tuple(map(type, a))
+                if float in types or complex in types:
+                    key.append((type(a), types, *map(number_key, a)))
+                else:
+                    key.append((type(a), types, *a))
             else:
-                # tagged by type: a constant must never equal a layout id (ints) or another type's value
-                # (``1 == 1.0 == True``: ``x + 1`` and ``x + 1.0`` promote differently)
-                key.append((_CONST, type(a), a))
+                key.append(_constant_key(a))
             i += 1
+        if unbound is not None:
+            first = _bind(rt, first, unbound, key, targs)
         if first is None:
             return MISS
         if kwargs:
             for v in kwargs.values():
                 if isinstance(v, (Tensor, list)):
                     return MISS
-            key.append(tuple((k, type(v), v) for k, v in kwargs.items()))
+            key.append(tuple((k, type(v), number_key(v)) for k, v in kwargs.items()))
         try:
             tpl = self.cache.get(tuple(key))
         except TypeError:  # an unhashable constant
@@ -188,15 +253,69 @@ class FastOp:
             inputs = list(inputs)
             for k in tpl.const_slots:
                 inputs[k] = None
+        return self._hit(rt, tpl, args, targs, inputs)
+
+    def _hit(
+        self, rt: Any, tpl: _Template, args: tuple[Any, ...], targs: list[Any], inputs: list[Operand | None]
+    ) -> Any:
+        """Record one hit of ``tpl`` and make its output tensors."""
         outs = rt.executor.record_fast(tpl.plan, tuple(targs), inputs)
         stats["hit"] += 1
         rt.last_mesh = tpl.mesh
         on_free = dispatch._free_callback(rt)
+        gen = rt.generation
         wrap = TABLE.wrap_view if self.view_of is not None and not args[0].is_inference() else TABLE.wrap
         if self.kind == "single":
             return wrap(outs[0], gen, on_free, tpl.out_layouts[0])
         res = [wrap(o, gen, on_free, lay) for o, lay in zip(outs, tpl.out_layouts, strict=True)]
         return res if self.kind == "list" else tuple(res)
+
+    def _call_list(self, rt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """:meth:`__call__` of an op whose one tensor argument is a list: the key holds every element's layout;
+        the tensor inputs are the elements."""
+        gen = rt.generation
+        entry = TABLE.entry
+        lp = self.list_pos
+        key: list[Any] = []
+        targs = list(args)
+        inputs: list[Operand | None] = []
+        for i, a in enumerate(args):
+            if i == lp:
+                if (type(a) is not list and type(a) is not tuple) or not a:
+                    return MISS
+                for t in a:
+                    e = entry(t) if isinstance(t, Tensor) else None
+                    if e is None or e.generation != gen or t.shape != e.shape:
+                        return MISS
+                    x = e.operand
+                    if x.mesh is None:
+                        return MISS
+                    lid = e.layout
+                    if lid is None:
+                        lid = layout_of(x)
+                        TABLE.set_layout(t, e, lid)
+                    key.append(lid)
+                    inputs.append(x)
+                key.append(len(a))  # (ints: the key's other entries are tuples)
+                targs[i] = list(inputs)
+            elif isinstance(a, Tensor) or type(a) is list or type(a) is tuple:
+                return MISS
+            else:
+                key.append(_constant_key(a))
+        if not inputs:
+            return MISS
+        if kwargs:
+            for v in kwargs.values():
+                if isinstance(v, (Tensor, list)):
+                    return MISS
+            key.append(tuple((k, type(v), number_key(v)) for k, v in kwargs.items()))
+        try:
+            tpl = self.cache.get(tuple(key))
+        except TypeError:  # an unhashable constant
+            return MISS
+        if tpl is None:
+            return self._record(rt, args, kwargs, targs, tuple(key))
+        return self._hit(rt, tpl, args, targs, inputs)
 
     def _record(
         self, rt: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targs: list[Any], key: tuple[Any, ...]
@@ -213,7 +332,10 @@ class FastOp:
         if last.op is not self.op or rule.output_is_input is not None:
             return out
         n = len(targs)
-        expected = [targs[p] if p < n and isinstance(targs[p], Operand) else None for p in self.slot_pos]
+        if self.list_pos is not None:
+            expected = list(targs[self.list_pos])
+        else:
+            expected = [targs[p] if p < n and isinstance(targs[p], Operand) else None for p in self.slot_pos]
         if len(expected) != len(call.inputs) or any(
             a is not b for a, b in zip(expected, call.inputs, strict=True)
         ):
@@ -266,6 +388,10 @@ def fast_op(op: Any) -> FastOp | None:
         rule = get_rule(op)
         specs = tensor_slot_specs(op)
         rets = schema.returns
+        list_pos = None
+        if len(specs) == 1 and specs[0][2] and specs[0][0] is not None:
+            arg = next(a for a in schema.arguments if a.name == specs[0][1])
+            list_pos = specs[0][0] if str(arg.type) == "List[Tensor]" else None
         if len(rets) == 1:
             kind = "list" if str(rets[0].type) == "List[Tensor]" else "single"
         else:
@@ -273,11 +399,17 @@ def fast_op(op: Any) -> FastOp | None:
         ok = (
             rule.output_is_input is None
             and not schema.is_mutable
-            and all(pos is not None and not is_list for pos, _, is_list in specs)
+            and (list_pos is not None or all(pos is not None and not is_list for pos, _, is_list in specs))
             and all(str(r.type) in ("Tensor", "List[Tensor]") for r in rets)
         )
         if ok:
-            fast = FastOp(op, tuple(pos for pos, _, _ in specs), kind, rule.view_of)  # type: ignore[misc]
+            fast = FastOp(
+                op,
+                tuple(pos for pos, _, _ in specs),  # type: ignore[misc]
+                kind,
+                rule.view_of,
+                list_pos=list_pos,
+            )
     _FAST[op] = fast
     return fast
 

@@ -149,11 +149,18 @@ def _to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 
 
 def _leaving(op: Any, target: Any):  # noqa: ANN202
-    """``to`` overloads: stay on dtorch through the rule, or leave it (a sync point) when the target is elsewhere."""
+    """``to`` overloads: stay on dtorch through the rule (the fast path first), or leave it (a sync point) when the
+    target is elsewhere."""
+    fast = fastpath.fast_op(op)
+    miss = fastpath.MISS
 
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         device = target(args, kwargs)
         if device is None or torch.device(device).type == DEVICE_NAME:
+            if fast is not None:
+                out = fast((self, *args), kwargs)
+                if out is not miss:
+                    return out
             return dispatch.dispatch_op(op, (self, *args), kwargs)
         return op(fetch(self), *args, **kwargs)  # the same overload on the gathered torch tensor
 
@@ -203,7 +210,7 @@ def _impl_generic(lib: torch.library.Library, op: Any) -> None:
     if op is aten.copy_.default:
         generic = _copy_inplace(generic)
     fast = fastpath.fast_op(op)
-    if fast is not None and fastpath.NATIVE is not None:
+    if fast is not None and fastpath.NATIVE is not None and fast.list_pos is None:
         # the native kernel on the dtorch key; the Python one behind it, on PrivateUse2, serves its misses
         lib.impl(_schema_name(op), fastpath.native_kernel(op, fast), "PrivateUse2")
         fastpath.register_native(op, fast)

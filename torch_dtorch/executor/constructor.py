@@ -275,7 +275,7 @@ class GraphConstructor:
         out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
         assign: AssignInfo,
         cost: OperatorCost,
-        moves: Sequence[tuple[int, int, RedistributeSpec]] = (),
+        moves: Sequence[tuple[int, Any, RedistributeSpec]] = (),
     ) -> list[Operand]:
         """Add an operator whose plan is already known (the eager fast path replays what :meth:`call` decided for
         the same op, input layouts and constants). ``call.placements`` are the rule's input targets; ``moves``

@@ -153,7 +153,7 @@ class PlannedRecorder:
         out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
         assign: AssignInfo,
         cost: OperatorCost,
-        moves: Sequence[tuple[int, int, RedistributeSpec]] = (),
+        moves: Sequence[tuple[int, Any, RedistributeSpec]] = (),
     ) -> list[Operand]:
         """Record an operator whose plan is known (see :meth:`GraphConstructor.call_planned`). The eager fast path
         calls this for every cache hit, so the common case (no redistribute, only this executor listening, nothing
@@ -201,7 +201,7 @@ class PlannedRecorder:
             return outs
 
     def _replay_moves(
-        self, call: OpCall, moves: Sequence[tuple[int, int, RedistributeSpec]], call_site: str | None
+        self, call: OpCall, moves: Sequence[tuple[int, Any, RedistributeSpec]], call_site: str | None
     ) -> OpCall:
         # callers hold self._lock
         g = self.constructor.graph

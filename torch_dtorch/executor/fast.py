@@ -28,7 +28,7 @@ __all__ = ["FastPlan", "replay_moves"]
 
 
 def replay_moves(
-    moves: Sequence[tuple[int, int, RedistributeSpec]],
+    moves: Sequence[tuple[int, Any, RedistributeSpec]],
     args: tuple[Any, ...],
     inputs: list[Operand | None],
     first_id: int,
@@ -37,7 +37,8 @@ def replay_moves(
 ) -> tuple[list[Redistribute], tuple[Any, ...], list[Operand | None]]:
     """The ``Redistribute`` of every moved input (operand ids from ``first_id``, operator ids from ``first_op``) and
     the call's ``args``/``inputs`` with the moved copies in their places: the inline form of
-    ``GraphConstructor.emit_redistribute``, shared by the fast path's expansion and the executor's planned calls."""
+    ``GraphConstructor.emit_redistribute``, shared by the fast path's expansion and the executor's planned calls.
+    A move's position is an argument index, or ``(index, j)`` for element ``j`` of a list argument."""
     inputs = list(inputs)
     largs = list(args)
     out: list[Redistribute] = []
@@ -56,7 +57,13 @@ def replay_moves(
         node = Operator(id=first_op + k, op=REDISTRIBUTE, **spec.operator_fields(x, y))
         out.append(Redistribute(node, call_site))
         inputs[slot] = y
-        largs[pos] = y
+        if type(pos) is tuple:  # element ``j`` of the list argument at ``p`` (``cat``'s tensors)
+            p, j = pos
+            lst = list(largs[p])
+            lst[j] = y
+            largs[p] = lst
+        else:
+            largs[pos] = y
     return out, tuple(largs), inputs
 
 
@@ -68,7 +75,8 @@ class FastPlan:
         in_placements: the rule's input targets (root placements, per tensor slot).
         out_specs: ``(meta, mesh, placements)`` of every output.
         assign / cost: of the op.
-        moves: ``(tensor slot, positional index, redistribute spec)`` of every input to move first.
+        moves: ``(tensor slot, positional index, redistribute spec)`` of every input to move first (the index is
+            ``(index, j)`` for element ``j`` of a list argument).
     """
 
     __slots__ = (
@@ -100,7 +108,7 @@ class FastPlan:
         out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
         assign: AssignInfo,
         cost: OperatorCost,
-        moves: Sequence[tuple[int, int, RedistributeSpec]],
+        moves: Sequence[tuple[int, Any, RedistributeSpec]],
     ) -> None:
         self.rule = rule
         self.op = call.op

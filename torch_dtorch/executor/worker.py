@@ -8,8 +8,9 @@ Kernel errors are sticky per operand (see :mod:`torch_dtorch.runtime.op_runner`)
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -132,6 +133,9 @@ class Worker:
             self._chain = NativeChain(device, self.blobs, stream)
         self.executed = 0  # instructions that concerned this device (for tests and stats)
         self.replayed = 0  # of which fast-path hits replayed through their resolved local call
+        #: ops run on the general local path (``OpRunner.run_op``), per operator name (for tests and benchmarks:
+        #: what the replay does not cover yet)
+        self.general: Counter[str] = Counter()
 
     # --- entry points -------------------------------------------------------------------------------------------
     def run_batch(
@@ -150,12 +154,41 @@ class Worker:
                     before(i, instr)
                 self.execute(instr)
             return
+        # the hot lane: a fast-path hit whose plan this worker resolved to a native call goes onto the chain with no
+        # further Python (the checks of ``_replay_call`` are made once per batch, and once per plan and batch)
+        resolved = (
+            self._resolved if self._replay_on and not self.op_runner.validate and not kernel_hooks() else {}
+        )
+        checked: set[Any] = set()
+        device = self.device
         try:
             for i, instr in enumerate(batch):
                 if before is not None:
                     before(i, instr)
                 t = type(instr)
                 if t is FastRun:
+                    run = cast(FastRun, instr)
+                    plan = run.plan
+                    local_call = resolved.get(plan)
+                    if (
+                        local_call is not None
+                        and local_call is not _UNRESOLVED
+                        and local_call.native >= 0
+                        and not plan.nmoves
+                        and (plan in checked or self._replayable(plan, checked))
+                    ):
+                        if device not in plan.assign.devices:
+                            continue
+                        if chain.add(
+                            local_call.native,
+                            plan.op,
+                            [x.id for x in run.inputs if x is not None],
+                            [o.id for o in run.outputs],
+                            run.call_site,
+                        ):
+                            self.executed += 1
+                            self.replayed += 1
+                            continue
                     if self._replay(instr, chain):  # type: ignore[arg-type]
                         continue
                 elif t is RunOp:
@@ -170,6 +203,15 @@ class Worker:
         finally:
             if len(chain):
                 chain.flush()
+
+    @staticmethod
+    def _replayable(plan: Any, checked: set[Any]) -> bool:
+        """The plan's rule still runs the op as is (not patched at run time: tests, tools); noted in ``checked``."""
+        rule = plan.rule
+        if not rule.may_run_op_as_is(plan.op) or "localize" in vars(rule):
+            return False
+        checked.add(plan)
+        return True
 
     def execute(self, instr: Instruction) -> None:
         """Execute one instruction if it concerns this device (never raises: failures become sticky errors). One
@@ -188,6 +230,7 @@ class Worker:
         if node.assign is None or self.device not in node.assign.devices:
             return
         self.executed += 1
+        self.general[node.name] += 1
         self.op_runner.run_op(node, instr=instr, call_site=self._call_site(instr))
 
     def _on_redistribute(self, instr: Redistribute) -> None:
@@ -305,11 +348,18 @@ class Worker:
         if self.device not in devices:
             return True
         # (a rule patched at run time — tests, tools — takes the general path)
-        if not rule.kernel_is_op(op) or "localize" in vars(rule):
+        if not rule.may_run_op_as_is(op) or "localize" in vars(rule):
             return False
         local_call = self._resolved.get(key, _UNRESOLVED)
         if local_call is None:
             return False
+        if chain is not None:
+            if local_call is not _UNRESOLVED and local_call.native >= 0:
+                # the inputs the chain makes are no blobs yet: the chain takes them; a missing or poisoned blob
+                # refuses the op (the general path makes or passes on the sticky error)
+                return self._chained(local_call, op, inputs, outputs, call_site, chain)
+            if len(chain):
+                chain.flush()  # resolving and the Python replay read the blobs the chain makes
         blobs = self.blobs
         ins: list[Blob | None] = []
         for x in inputs:
@@ -333,19 +383,29 @@ class Worker:
             self._resolved[key] = local_call
             if local_call is None:
                 return False
-        if chain is not None:
-            if local_call.native >= 0:
-                ids = [x.id for x in inputs if x is not None]
-                if chain.add(local_call.native, op, ids, [o.id for o in outputs], call_site):
-                    self.executed += 1
-                    self.replayed += 1
-                    return True
-                return False  # an input the chain cannot take: the general path
-            if len(chain):
-                chain.flush()
+            if chain is not None and local_call.native >= 0:
+                return self._chained(local_call, op, inputs, outputs, call_site, chain)
         self.executed += 1
         self.replayed += 1
         self.op_runner.run_resolved(local_call, ins, outputs, op=op, call_site=call_site)
+        return True
+
+    def _chained(
+        self,
+        local_call: LocalCall,
+        op: Any,
+        inputs: list[Operand | None],
+        outputs: list[Operand],
+        call_site: str | None,
+        chain: NativeChain,
+    ) -> bool:
+        """Queue a resolved op with a native handle on ``chain``; ``False``: an input the chain cannot take."""
+        if not chain.add(
+            local_call.native, op, [x.id for x in inputs if x is not None], [o.id for o in outputs], call_site
+        ):
+            return False
+        self.executed += 1
+        self.replayed += 1
         return True
 
     def _upload(self, instr: Upload) -> None:

@@ -17,6 +17,7 @@ whole (views and semantic composite ops that the dispatcher would otherwise deco
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,9 @@ from torch_dtorch.placement_rules.signature import PlacementSignature, all_repli
 __all__ = [
     "FunctionRule",
     "add_rule_listener",
+    "const_key",
+    "float_bits",
+    "number_key",
     "OpPlan",
     "OpRule",
     "get_rule",
@@ -151,7 +155,7 @@ class OpRule:
         """The plan cache's key for the non-tensor arguments (default: all of them). A rule whose plan does not
         depend on some constant (a list op's per-tensor scalars, which change every optimizer step) leaves it out,
         so that the call plans once."""
-        return (_const_key(call.args), _const_key(call.kwargs))
+        return (const_key(call.args), const_key(call.kwargs))
 
     def localize(self, call: OpCall, ctx: LocalContext) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Args/kwargs of the local kernel on one rank (operands stay in place; the runtime swaps in shards).
@@ -174,6 +178,18 @@ class OpRule:
         fast-path plan fixes (layouts, shapes, constants) and the rank — and replay it (``runtime/replay.py``)."""
         return type(self).kernel is OpRule.kernel and "kernel" not in vars(self)
 
+    def may_run_op_as_is(self, op: Any) -> bool:
+        """Some calls of ``op`` run the op itself locally (:meth:`runs_op_as_is`): checked by a worker before every
+        replay, so that a kernel patched at run time (tests, tools) takes the general path."""
+        return self.kernel_is_op(op)
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        """This call's local kernel on the rank ``ctx`` describes is its op on the localized arguments, so a worker
+        may resolve it once and replay it (``runtime/replay.py``). Default: :meth:`kernel_is_op`; a rule whose
+        kernel is the op only for some calls (``dropout`` without training, ``arange`` whole on the rank) decides
+        from what a fast-path plan fixes (constants, layouts, the rank's shapes)."""
+        return self.kernel_is_op(call.op)
+
     def assign(self, call: OpCall) -> AssignInfo:
         devices = tuple(call.mesh.devices) if call.mesh is not None else ()
         return AssignInfo(devices, self.stream)
@@ -194,11 +210,15 @@ class FunctionRule(OpRule):
         cost: Callable[[OpCall], OperatorCost] | None = None,
         check: Callable[[OpCall], None] | None = None,
         kernel: KernelFn | None = None,
+        as_is: Callable[[OpCall], bool] | None = None,
         view_of: int | None = None,
         stream: str = "compute",
     ) -> None:
         self._fn = fn
         self._kernel = kernel
+        #: the calls for which ``kernel`` runs the op itself (see :meth:`OpRule.runs_op_as_is`)
+        self._as_is = as_is
+        self._declared_kernel = kernel
         self.family = family
         self._localize = localize
         self._cost = cost
@@ -227,6 +247,21 @@ class FunctionRule(OpRule):
     def kernel_is_op(self, op: Any) -> bool:
         return self._kernel is None and "kernel" not in vars(self)
 
+    def _declared(self) -> bool:
+        """The kernel is the one registered with ``as_is`` (not patched since)."""
+        return (
+            self._as_is is not None and self._kernel is self._declared_kernel and "kernel" not in vars(self)
+        )
+
+    def may_run_op_as_is(self, op: Any) -> bool:
+        return self.kernel_is_op(op) or self._declared()
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        if self._declared():
+            assert self._as_is is not None
+            return self._as_is(call)
+        return self.kernel_is_op(call.op)
+
     def cost(self, call: OpCall) -> OperatorCost:
         if self._cost is not None:
             return self._cost(call)
@@ -240,17 +275,40 @@ _PLAN_CACHE: dict[tuple[Any, ...], OpPlan] = {}
 _PLAN_CACHE_SIZE = 8192
 
 
-def _const_key(v: Any) -> Any:
-    """A hashable stand-in for the non-tensor structure of the arguments (operands become None)."""
+_DOUBLE = struct.Struct("<d")
+
+
+def float_bits(v: float) -> int:
+    """The IEEE bits of ``v``: unlike ``==``, they tell ``0.0`` from ``-0.0`` and make a NaN equal to itself."""
+    return int.from_bytes(_DOUBLE.pack(v), "little", signed=True)
+
+
+def number_key(v: Any) -> Any:
+    """A hashable key of one Python number such that equal keys mean interchangeable values: tagged by type
+    (``1 == 1.0 == True`` but they promote differently) and floats by their bits (``0.0 == -0.0`` but ``x * -0.0``
+    flips the signs of zeros; ``nan != nan`` would make a key never hit). Other values are returned unchanged."""
+    t = type(v)
+    if t is float:
+        return (float, float_bits(v))
+    if t is complex:
+        return (complex, float_bits(v.real), float_bits(v.imag))
+    if t is int or t is bool:
+        return (t, v)
+    return v
+
+
+def const_key(v: Any) -> Any:
+    """A hashable stand-in for the non-tensor structure of the arguments (operands become None; numbers by
+    :func:`number_key`)."""
     t = type(v)
     if t is tuple or t is list:
-        return tuple([_const_key(x) for x in v])
+        return tuple([const_key(x) for x in v])
     if t is dict:
-        return tuple(sorted((k, _const_key(x)) for k, x in v.items()))
+        return tuple(sorted((k, const_key(x)) for k, x in v.items()))
     if isinstance(v, Operand):
         return None
     hash(v)
-    return v
+    return number_key(v)
 
 
 def _plan_key(
@@ -338,13 +396,15 @@ def register_rule(
     cost: Callable[[OpCall], OperatorCost] | None = None,
     check: Callable[[OpCall], None] | None = None,
     kernel: KernelFn | None = None,
+    as_is: Callable[[OpCall], bool] | None = None,
     view_of: int | None = None,
     stream: str = "compute",
 ) -> Callable[[Any], Any]:
     """Register a rule for one or more overloads. Decorates a function ``call -> signatures`` or an
     :class:`OpRule` subclass (instantiated once). Registering an overload twice raises
     :class:`RuleRegistrationError`. CompositeImplicitAutograd overloads join the intercept list automatically;
-    ``intercept=True`` adds others (views, which would otherwise arrive as anonymous ``as_strided``)."""
+    ``intercept=True`` adds others (views, which would otherwise arrive as anonymous ``as_strided``). ``as_is``:
+    the calls for which ``kernel`` is the op itself (:meth:`OpRule.runs_op_as_is`)."""
 
     def deco(target: Any) -> Any:
         if isinstance(target, OpRule):  # a rule object (re-registered, or derived like in-place variants)
@@ -361,6 +421,7 @@ def register_rule(
                 cost=cost,
                 check=check,
                 kernel=kernel,
+                as_is=as_is,
                 view_of=view_of,
                 stream=stream,
             )

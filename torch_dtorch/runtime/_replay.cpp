@@ -28,6 +28,8 @@ struct Resolved {
   c10::OperatorHandle op;
   std::vector<c10::IValue> stack;                 // schema-ordered arguments, tensor inputs left undefined
   std::vector<std::pair<int64_t, int64_t>> slots;  // (stack position, index among the call's present inputs)
+  // Tensor[] arguments (``cat``'s tensors): (stack position, input index of each element)
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> lists;
   int64_t num_returns;
   std::string name;
 };
@@ -44,7 +46,7 @@ c10::OperatorHandle find_op(const std::string& name, const std::string& overload
 // the positions ``positions[k]`` of ``args``. Returns a handle, or -1 when the call cannot be replayed natively
 // (an argument that does not convert, a return that is not a plain tensor).
 int64_t resolve(const std::string& name, const std::string& overload, py::tuple args, py::dict kwargs,
-                std::vector<int64_t> positions) {
+                std::vector<int64_t> positions, std::vector<int64_t> elements) {
   c10::OperatorHandle op = find_op(name, overload);
   const c10::FunctionSchema& schema = op.schema();
   for (const auto& ret : schema.returns()) {
@@ -54,6 +56,8 @@ int64_t resolve(const std::string& name, const std::string& overload, py::tuple 
   std::vector<c10::IValue> stack;
   stack.reserve(arguments.size());
   std::vector<std::pair<int64_t, int64_t>> slots;
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> lists;
+  if (elements.size() != positions.size()) return -1;
   size_t nargs = py::len(args);
   for (size_t i = 0; i < arguments.size(); ++i) {
     const auto& a = arguments[i];
@@ -67,10 +71,26 @@ int64_t resolve(const std::string& name, const std::string& overload, py::tuple 
       have = true;
     }
     int64_t input = -1;
+    std::vector<int64_t> members;  // a Tensor[] argument: the input index of each element, in order
     if (have && !a.kwarg_only() && i < nargs) {
       for (size_t k = 0; k < positions.size(); ++k) {
-        if (positions[k] == static_cast<int64_t>(i)) input = static_cast<int64_t>(k);
+        if (positions[k] != static_cast<int64_t>(i)) continue;
+        if (elements[k] < 0) {
+          input = static_cast<int64_t>(k);
+        } else {
+          if (members.size() <= static_cast<size_t>(elements[k])) members.resize(elements[k] + 1, -1);
+          members[elements[k]] = static_cast<int64_t>(k);
+        }
       }
+    }
+    if (!members.empty()) {
+      if (!a.type()->isSubtypeOf(*c10::ListType::ofTensors())) return -1;
+      for (int64_t k : members) {
+        if (k < 0) return -1;  // an element that is no input
+      }
+      lists.emplace_back(static_cast<int64_t>(i), std::move(members));
+      stack.emplace_back();
+      continue;
     }
     if (input >= 0) {
       if (!a.type()->isSubtypeOf(*c10::TensorType::get()) &&
@@ -110,9 +130,11 @@ int64_t resolve(const std::string& name, const std::string& overload, py::tuple 
     }
     if (stack.back().isTensor() || stack.back().isTensorList()) return -1;  // tensor constants: general path
   }
-  if (slots.size() != positions.size()) return -1;
-  Resolved entry{op, std::move(stack), std::move(slots), static_cast<int64_t>(schema.returns().size()),
-                 name + "." + overload};
+  size_t named = slots.size();
+  for (const auto& l : lists) named += l.second.size();
+  if (named != positions.size()) return -1;
+  Resolved entry{op, std::move(stack), std::move(slots), std::move(lists),
+                 static_cast<int64_t>(schema.returns().size()), name + "." + overload};
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_free.empty()) {
     int64_t handle = g_free.back();
@@ -131,6 +153,7 @@ void release(const std::vector<int64_t>& handles) {
     Resolved& r = g_calls.at(static_cast<size_t>(h));
     r.stack.clear();
     r.slots.clear();
+    r.lists.clear();
     g_free.push_back(h);
   }
 }
@@ -189,6 +212,21 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
             break;
           }
           stack[static_cast<size_t>(pos)] = it->second;
+        }
+        for (size_t l = 0; l < call.lists.size() && origin < 0; ++l) {
+          const auto& [pos, members] = call.lists[l];
+          c10::List<at::Tensor> list;
+          list.reserve(members.size());
+          for (int64_t k : members) {
+            auto it = env.find(in_ids[k]);
+            if (it == env.end()) {
+              origin = step;
+              message = "input missing from the chain";
+              break;
+            }
+            list.push_back(it->second);
+          }
+          stack[static_cast<size_t>(pos)] = std::move(list);
         }
         if (origin < 0) {
           try {

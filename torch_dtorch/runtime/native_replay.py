@@ -39,16 +39,26 @@ def extension() -> ModuleType | None:
     return _EXTENSION.load()
 
 
-def native_handle(op: Any, args: Sequence[Any], kwargs: dict[str, Any], positions: Sequence[int]) -> int:
-    """The native handle of ``op(*args, **kwargs)`` whose tensor inputs (in slot order) are ``args[positions[k]]``;
+def native_handle(
+    op: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    positions: Sequence[int],
+    elements: Sequence[int] | None = None,
+) -> int:
+    """The native handle of ``op(*args, **kwargs)`` whose tensor inputs (in slot order) are ``args[positions[k]]``
+    (or, where ``elements[k] >= 0``, element ``elements[k]`` of the ``Tensor[]`` argument ``args[positions[k]]``);
     ``-1`` when the native loop cannot run it (or is not available)."""
     module = extension()
     schema = getattr(op, "_schema", None)
     if module is None or schema is None:
         return -1
+    elements = [-1] * len(positions) if elements is None else list(elements)
     try:
         return int(
-            module.resolve(schema.name, schema.overload_name, tuple(args), dict(kwargs), list(positions))
+            module.resolve(
+                schema.name, schema.overload_name, tuple(args), dict(kwargs), list(positions), elements
+            )
         )
     except Exception:  # noqa: BLE001 - an argument the native loop cannot take: the Python replay runs it
         return -1

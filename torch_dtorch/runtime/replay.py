@@ -1,15 +1,16 @@
 """A fast-path op resolved once on a worker, replayed cheaply on every later hit (issue 20, item 1, Python path).
 
 The eager fast path sends the same :class:`~torch_dtorch.executor.fast.FastPlan` for every call of one op on one
-input layout. When the plan's rule runs the op itself on the localized arguments (the default ``kernel``: pointwise
-ops, matmuls, reductions, views, conversions), nothing of the general local path depends on the call beyond which
-blobs go into which argument positions — ``localize`` depends only on what the plan fixes (layouts, shapes,
-constants) and the rank. :func:`resolve` records it once as a :class:`LocalCall` — the op handle, the localized
-argument template, the positions of the tensor slots — and :meth:`LocalCall.run` replays it on the worker's blobs:
-no ``Operator``, no ``LocalContext``, no localize, no argument walk.
+input layout. When the plan's rule runs the op itself on the localized arguments (``OpRule.runs_op_as_is``: the
+default ``kernel`` of pointwise ops, matmuls, reductions, views, conversions, factories; ``dropout`` without
+training), nothing of the general local path depends on the call beyond which blobs go into which argument
+positions — ``localize`` depends only on what the plan fixes (layouts, shapes, constants) and the rank.
+:func:`resolve` records it once as a :class:`LocalCall` — the op handle, the localized argument template, the
+positions of the tensor slots — and :meth:`LocalCall.run` replays it on the worker's blobs: no ``Operator``, no
+``LocalContext``, no localize, no argument walk.
 
-A call that cannot be resolved (custom kernels, nested tensor lists such as ``cat``'s, kernels that communicate,
-factories that take a ``device``) is ``None``: the worker runs it on the general path, as before.
+A call that cannot be resolved (custom kernels, kernels that communicate) is ``None``: the worker runs it on the
+general path, as before.
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ class LocalCall(NamedTuple):
     tensor_slots: tuple[tuple[int, int], ...]
     #: the native loop's handle (``runtime/native_replay.py``), ``-1``: replayed in Python only
     native: int = -1
+    #: ``(pos, (k, ...))``: ``args[pos]`` is the list of the shards of input slots ``k, ...`` (``cat``'s tensors)
+    list_slots: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def run(self, local: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """The local outputs on ``local`` (this rank's shard of every input slot)."""
         args = list(self.args)
         for pos, k in self.tensor_slots:
             args[pos] = local[k]
+        for pos, ks in self.list_slots:
+            args[pos] = [local[k] for k in ks]
         out = self.op(*args, **self.kwargs)
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
@@ -58,9 +63,11 @@ def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False)
     call of this op and layout, :data:`AMBIGUOUS` when this call alone cannot be resolved. ``native``: also resolve it
     for the native loop (``LocalCall.native``)."""
     op, inputs = call.op, call.inputs
-    if not rule.kernel_is_op(op) or takes_device(op):
+    if not rule.runs_op_as_is(call, ctx):
         return None
     args, kwargs = rule.localize(call, ctx)
+    if ctx.torch_device is not None and kwargs.get("device") is None and takes_device(op):
+        kwargs = {**kwargs, "device": ctx.torch_device}  # as ``run_rank`` does: this worker's device, fixed
     for v in kwargs.values():
         t = type(v)
         if t is Operand or t is dict or (t in (list, tuple) and any(type(e) in _NESTED for e in v)):
@@ -71,6 +78,7 @@ def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False)
             AMBIGUOUS  # one operand in two slots (``x + x``): which slot an argument is cannot be told apart
         )
     slots: list[tuple[int, int]] = []
+    list_slots: list[tuple[int, tuple[int, ...]]] = []
     template: list[Any] = []
     for pos, a in enumerate(args):
         t = type(a)
@@ -80,6 +88,12 @@ def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False)
                 return None
             slots.append((pos, k))
             template.append(None)
+        elif (t is list or t is tuple) and a and all(type(v) is Operand for v in a):
+            ks = tuple(slot_of.get(id(v), -1) for v in a)
+            if -1 in ks:
+                return None
+            list_slots.append((pos, ks))
+            template.append(None)
         elif t in (list, tuple, dict):
             if any(
                 type(v) is Operand or type(v) in (list, tuple, dict) for v in (a.values() if t is dict else a)
@@ -88,11 +102,15 @@ def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False)
             template.append(a)
         else:
             template.append(a)
-    if len(slots) != sum(x is not None for x in inputs):
+    if len(slots) + sum(len(ks) for _, ks in list_slots) != sum(x is not None for x in inputs):
         return None  # an input the arguments do not name directly
     present = {k: j for j, k in enumerate(k for k, x in enumerate(inputs) if x is not None)}
-    positions = [0] * len(slots)
+    positions = [0] * len(present)
+    elements = [-1] * len(present)
     for pos, k in slots:
         positions[present[k]] = pos
-    handle = native_handle(op, args, kwargs, positions) if native else -1
-    return LocalCall(op, tuple(template), dict(kwargs), tuple(slots), handle)
+    for pos, ks in list_slots:
+        for j, k in enumerate(ks):
+            positions[present[k]], elements[present[k]] = pos, j
+    handle = native_handle(op, args, kwargs, positions, elements) if native else -1
+    return LocalCall(op, tuple(template), dict(kwargs), tuple(slots), handle, tuple(list_slots))

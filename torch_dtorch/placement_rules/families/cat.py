@@ -206,6 +206,12 @@ class CatRule(OpRule):
             return _comm_cat(call, ctx, args[0])
         return call.op(*args, **kwargs)
 
+    def may_run_op_as_is(self, op: Any) -> bool:
+        return "kernel" not in vars(self)
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        return "kernel" not in vars(self) and not cat_comm_axes(call)
+
     def cost(self, call: OpCall) -> OperatorCost:
         return traffic_cost(call.inputs, call.out_meta)
 

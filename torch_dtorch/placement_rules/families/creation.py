@@ -265,6 +265,12 @@ class _Arange(FactoryRule):
             return aten.arange.start_step(lo, lo + count * step, step, **{**kwargs, "dtype": dtype})
         return rank_slice(call.op(*args, **kwargs), ctx)
 
+    def may_run_op_as_is(self, op: Any) -> bool:
+        return "kernel" not in vars(self)
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        return "kernel" not in vars(self) and tuple(ctx.out_shapes[0]) == tuple(call.out_meta[0].shape)
+
 
 @register_rule(aten.linspace.default, family="creation")
 class _Linspace(FactoryRule):

@@ -102,10 +102,20 @@ class CopyRule(OpRule):
         return super().infer_meta(call)
 
     def localize(self, call: OpCall, ctx: LocalContext) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return call.args, local_kwargs(call.kwargs)
+        args = call.args
+        if call.op is aten.to.device and len(args) > 1:  # the rank's device (where a worker's shards live)
+            args = (args[0], ctx.torch_device or torch.device("cpu"), *args[2:])
+        return args, local_kwargs(call.kwargs)
 
     def kernel_is_op(self, op: Any) -> bool:
         return op is not aten.to.device and "kernel" not in vars(self)  # to.device names the rank's device
+
+    def may_run_op_as_is(self, op: Any) -> bool:
+        return "kernel" not in vars(self)
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        """Also ``to.device`` with a positional device: :meth:`localize` names the worker's device."""
+        return "kernel" not in vars(self) and (call.op is not aten.to.device or len(call.args) > 1)
 
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if call.op is aten.to.device:
@@ -152,10 +162,16 @@ def fill(call: OpCall) -> list[PlacementSignature]:
     return [sig([Shard(d), *value], Shard(d)) for d in range(x.ndim)]
 
 
+def _dropout_draws(call: OpCall) -> bool:
+    """Whether the call draws random numbers (training with ``0 < p < 1``); otherwise it is the op itself."""
+    x, p = call.arg("input"), float(call.arg("p"))
+    return bool(call.arg("train")) and 0 < p < 1 and x.numel() != 0
+
+
 def _dropout_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x, p, train = call.arg("input"), float(call.arg("p")), bool(call.arg("train"))
+    x, p = call.arg("input"), float(call.arg("p"))
     local = args[0]
-    if not train or p == 0 or p == 1 or x.numel() == 0:
+    if not _dropout_draws(call):
         return call.op(*args, **kwargs)  # no random numbers are drawn
 
     def draw(gen: torch.Generator) -> torch.Tensor:
@@ -173,7 +189,12 @@ def _check_dropout(call: OpCall) -> None:
 
 
 @register_rule(
-    aten.dropout.default, family="misc", intercept=True, kernel=_dropout_kernel, check=_check_dropout
+    aten.dropout.default,
+    family="misc",
+    intercept=True,
+    kernel=_dropout_kernel,
+    as_is=lambda call: not _dropout_draws(call),  # workers replay it without training
+    check=_check_dropout,
 )
 def dropout(call: OpCall) -> list[PlacementSignature]:
     """Shards kept; ``P(sum|avg)`` kept (one global mask makes dropout linear in its input)."""

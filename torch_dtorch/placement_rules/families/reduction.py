@@ -140,6 +140,25 @@ class ReductionRule(OpRule):
             return tuple(outs) if len(outs) > 1 else outs[0]
         return call.op(*args, **kwargs)
 
+    def may_run_op_as_is(self, op: Any) -> bool:
+        return "kernel" not in vars(self)
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        """The kernel is the op itself unless the rank's output block is empty; subclasses with their own kernel
+        say when theirs is (:meth:`_kernel_is_op_on`)."""
+        if "kernel" in vars(self) or any(math.prod(s) == 0 for s in ctx.out_shapes):
+            return False
+        return self._kernel_is_op_on(call, ctx)
+
+    def _kernel_is_op_on(self, call: OpCall, ctx: LocalContext) -> bool:
+        return type(self).kernel is ReductionRule.kernel
+
+    def _whole_on_rank(self, call: OpCall, ctx: LocalContext) -> bool:
+        """The rank holds every element of the reduced dims (:meth:`_local_is_whole` from the plan's shapes)."""
+        src, local = call.inputs[0], ctx.in_shapes[0]
+        assert src is not None and local is not None
+        return all(local[d] == src.shape[d] for d in self.dims(call)[0])
+
     def _local_is_whole(self, call: OpCall, x: torch.Tensor) -> tuple[bool, list[int], bool]:
         """Whether this rank holds every element of the reduced dims (then the op runs unchanged)."""
         dims, keepdim = self.dims(call)
@@ -170,6 +189,9 @@ class _Mean(ReductionRule):
         count = math.prod(src.shape[d] for d in dims)
         return torch.sum(x, dim=dims, keepdim=keepdim, dtype=call.out_meta[0].dtype).div_(count)
 
+    def _kernel_is_op_on(self, call: OpCall, ctx: LocalContext) -> bool:
+        return type(self).kernel is _Mean.kernel and self._whole_on_rank(call, ctx)
+
 
 class _Extremum(ReductionRule):
     """amax/amin/max/min/any/all: a rank with an empty shard of a reduced dim contributes the identity."""
@@ -185,6 +207,11 @@ class _Extremum(ReductionRule):
             fill = self.identity(reduce_op, dtype)
             return torch.full(ctx.out_shapes[0], fill, dtype=dtype, device=x.device)
         return super().kernel(call, ctx, args, kwargs)
+
+    def _kernel_is_op_on(self, call: OpCall, ctx: LocalContext) -> bool:
+        local = ctx.in_shapes[0]
+        empty = local is not None and math.prod(local) == 0
+        return type(self).kernel is _Extremum.kernel and (not empty or self._whole_on_rank(call, ctx))
 
 
 @register_rule(aten.amax.default, aten.max.default, family="reduction")
