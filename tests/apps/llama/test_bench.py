@@ -65,3 +65,15 @@ def test_tiny_bench_runs(variants: str, tmp_path: Path, capsys: pytest.CaptureFi
     assert all(s in ("met", "NOT met") for s in eager) == ("dtorch-eager" in names)
     assert all(s == "not run" for s in prefill)  # no torch-compile row in either case
     assert "not run" in text
+
+
+def test_decode_bench_runs() -> None:
+    """``bench/llama_decode.py``: the growing-cat and new-length ``generate`` measurements run (tiny sizes)."""
+    spec = importlib.util.spec_from_file_location("llama_decode", BENCH.parent / "llama_decode.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mesh = bench._mesh("")
+    assert bench.bench_cat(mesh, 3, 1) > 0
+    r = bench.bench_generate(mesh, 2, 1)
+    assert r["fetches_per_token"] > 0 and r["new_ms_per_token"] > 0
