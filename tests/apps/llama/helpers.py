@@ -15,6 +15,8 @@ from torch_dtorch.apps.llama.tiny import TinyLlama, tiny_llama
 
 #: 3 layers: pp=2 splits them unevenly; GQA (4 query heads, 2 key/value heads)
 SIZES = TinyLlama(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3)
+#: the compiled matrix's model: 2 layers (dynamo traces every layer: a third costs ~30% more compile time)
+SIZES_2 = TinyLlama(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 BATCH, PROMPT_LEN, NEW_TOKENS = 2, 7, 5  # odd prompt: uneven sequence shards under cp
 
 
@@ -24,15 +26,36 @@ class Reference(NamedTuple):
     tokens: torch.Tensor
 
 
-def fresh_model() -> Any:
-    return tiny_llama(SIZES, seed=0)
+class StepReference(NamedTuple):
+    ids: torch.Tensor
+    tokens: torch.Tensor
+    #: per generated token: the logits it was chosen from (the prefill's last position, then each decode step)
+    step_logits: tuple[torch.Tensor, ...]
+
+
+def fresh_model(sizes: TinyLlama = SIZES) -> Any:
+    return tiny_llama(sizes, seed=0)
+
+
+def _prompt() -> torch.Tensor:
+    return torch.randint(3, SIZES.vocab_size, (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+
+
+@cache
+def step_reference(sizes: TinyLlama = SIZES) -> StepReference:
+    """Greedy tokens of single-device transformers and the logits of every generation step."""
+    ids = _prompt()
+    out = fresh_model(sizes).generate(
+        ids, attention_mask=torch.ones_like(ids), output_logits=True, return_dict_in_generate=True, **greedy()
+    )
+    return StepReference(ids, out.sequences, tuple(out.logits))
 
 
 @cache
 def reference() -> Reference:
     """Prefill logits and greedy tokens of single-device transformers."""
     model = fresh_model()
-    ids = torch.randint(3, SIZES.vocab_size, (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    ids = _prompt()
     with torch.no_grad():
         logits = model(ids).logits
     tokens = model.generate(ids, attention_mask=torch.ones_like(ids), **greedy())
@@ -55,6 +78,22 @@ def make_mesh(axes: Mapping[str, int], *, mode: str = TEST_MODE) -> dt.DeviceMes
 
 def layout_id(axes: Mapping[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in axes.items()) or "single"
+
+
+def layout_cases(max_devices: int = 4) -> list[Any]:
+    """``(axes, cp_mode)`` pytest params: every layout of :func:`layouts`, each cp layout with Ulysses and ring,
+    and cp=4 with both."""
+    import pytest
+
+    out = []
+    for axes in layouts(max_devices):
+        modes = ("ulysses", "ring") if "cp" in axes else ("ulysses",)
+        out += [
+            pytest.param(axes, m, id=f"{layout_id(axes)}-{m}" if "cp" in axes else layout_id(axes))
+            for m in modes
+        ]
+    out.append(pytest.param({"cp": 4}, "both", id="cp=4-both"))
+    return out
 
 
 def layouts(max_devices: int = 4) -> list[dict[str, int]]:

@@ -49,10 +49,31 @@ def test_tiny_bench_runs(variants: str, tmp_path: Path, capsys: pytest.CaptureFi
     ]
     assert _bench().main(argv) == 0  # type: ignore[attr-defined]
     text = capsys.readouterr().out
-    rows = json.loads(out_json.read_text())
+    report = json.loads(out_json.read_text())
+    rows = report["rows"]
     names = variants.split(",")
     assert sorted({r["variant"] for r in rows}) == sorted(names)
     assert all(r["prefill_ms"] > 0 for r in rows)
     for r in rows:
         assert r["tokens_match"] is (None if r["variant"] == "torch-eager" else True), r
-    assert "dtorch eager / torch eager decode" in text or "dtorch-eager" not in names
+    assert "dtorch eager / torch eager decode" in text
+    # the targets table: every target at every batch, measured ones met / NOT met, the others not run
+    status = {(r["target"], r["batch"]): r["status"] for r in report["ratios"]}
+    assert len(status) == 3 * len({r["batch"] for r in rows})
+    eager = [s for (t, _), s in status.items() if t.startswith("dtorch eager")]
+    prefill = [s for (t, _), s in status.items() if t.endswith("prefill")]
+    assert all(s in ("met", "NOT met") for s in eager) == ("dtorch-eager" in names)
+    assert all(s == "not run" for s in prefill)  # no torch-compile row in either case
+    assert "not run" in text
+
+
+def test_decode_bench_runs() -> None:
+    """``bench/llama_decode.py``: the growing-cat and new-length ``generate`` measurements run (tiny sizes)."""
+    spec = importlib.util.spec_from_file_location("llama_decode", BENCH.parent / "llama_decode.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mesh = bench._mesh("")
+    assert bench.bench_cat(mesh, 3, 1) > 0
+    r = bench.bench_generate(mesh, 2, 1)
+    assert r["fetches_per_token"] > 0 and r["new_ms_per_token"] > 0

@@ -1,6 +1,6 @@
 """parallelize_llama on every layout of dp / tp / pp / cp in {1, 2} (up to 4 devices) and every cp_mode: prefill
 logits within 1e-4 of single-device transformers and HF ``generate`` (greedy, KV cache) giving the same tokens;
-eager in thread mode here, compiled and process mode in ``test_generate_compiled.py``."""
+eager in thread mode here, compiled and process mode in ``test_generate_modes.py``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from tests.apps.llama.helpers import (
     SIZES,
     fresh_model,
     greedy,
-    layout_id,
-    layouts,
+    layout_cases,
     make_mesh,
     reference,
 )
@@ -29,19 +28,7 @@ from torch_dtorch.placement_rules.families import context_parallel as cpm
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
 
 
-def _cases() -> list[Any]:
-    out = []
-    for axes in layouts(4):
-        modes = ("ulysses", "ring") if "cp" in axes else ("ulysses",)
-        out += [
-            pytest.param(axes, m, id=f"{layout_id(axes)}-{m}" if "cp" in axes else layout_id(axes))
-            for m in modes
-        ]
-    out.append(pytest.param({"cp": 4}, "both", id="cp=4-both"))
-    return out
-
-
-@pytest.mark.parametrize(("axes", "cp_mode"), _cases())
+@pytest.mark.parametrize(("axes", "cp_mode"), layout_cases(4))
 def test_prefill_logits_and_greedy_generate(axes: dict[str, int], cp_mode: str) -> None:
     ref = reference()
     mesh = make_mesh(axes)
@@ -136,3 +123,34 @@ def test_seeded_sampling_equals_torch() -> None:
     torch.manual_seed(7)
     got = model.generate(ref.ids.to("dtorch"), attention_mask=torch.ones_like(ref.ids).to("dtorch"), **sample)
     assert torch.equal(dt.to_torch(got), want)
+
+
+def test_one_sync_per_decoded_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy ``generate`` fetches from the workers once per decoded token — HF's stopping check
+    (``StopCheck``: ``bool(unfinished_sequences.max() == 0)``), which must read the flag before it can decide to
+    run the next step (HF defers it one step only on ``mps``) — plus a fixed number per call (special-token and
+    padding checks before the prefill)."""
+    from torch_dtorch.device.state import get_session
+
+    ref = reference()
+    model = parallelize_llama(fresh_model(), make_mesh({"tp": 2}))
+    ids, mask = ref.ids.to("dtorch"), torch.ones_like(ref.ids).to("dtorch")
+    model.generate(ids, attention_mask=mask, **greedy())  # warm: plans made, pools started
+    executor = type(get_session().executor)
+    fetches = [0]
+    fetch = executor.fetch
+
+    def counting(self: Any, operand: Any) -> Any:
+        fetches[0] += 1
+        return fetch(self, operand)
+
+    monkeypatch.setattr(executor, "fetch", counting)
+    counts = {}
+    for n in (2, 6):
+        fetches[0] = 0
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+        counts[n] = fetches[0]
+    assert (counts[6] - counts[2]) / 4 == 1, counts
+    assert counts[2] - 2 <= 6, counts  # the per-call setup: 5 fetches with transformers 5.x

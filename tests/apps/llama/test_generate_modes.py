@@ -1,19 +1,80 @@
 """HF ``generate`` on a parallelized Llama compiled with ``torch.compile(backend="dtorch")`` and on worker
-processes: prefill logits within 1e-4 and greedy tokens equal to single-device transformers. Slow (compiles /
-process pools); the eager thread-mode matrix is ``test_generate.py``."""
+processes, on every layout of dp / tp / pp / cp in {1, 2} up to 4 devices and every cp_mode (cp=4 for ``"both"``):
+greedy tokens equal single-device transformers, and the logits of every generation step (the prefill's last
+position, then each decode step) within 1e-4. Slow (compiles, process pools); the eager thread-mode matrix, with the
+whole prefill's logits, is ``test_generate.py``.
+
+- compiled (thread mode): the whole matrix on a 2-layer model (the third layer adds ~30% dynamo tracing), each
+  ``generate`` twice (the second replays the three compiled graphs: prefill, first decode, dynamic decode); the
+  whole prefill's logits through the compiled forward on four layouts;
+- process mode (eager): the whole matrix, the whole prefill's logits included;
+- compiled in process mode: two layouts (tp; pp x cp ring).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 
 import torch_dtorch as dt
-from tests.apps.llama.helpers import fresh_model, greedy, layout_id, make_mesh, reference
+from tests.apps.llama.helpers import (
+    SIZES,
+    SIZES_2,
+    fresh_model,
+    greedy,
+    layout_cases,
+    layout_id,
+    make_mesh,
+    reference,
+    step_reference,
+)
 from torch_dtorch.apps.llama import parallelize_llama
+from torch_dtorch.apps.llama.tiny import TinyLlama
 
 pytest.importorskip("transformers", reason="needs transformers (test extra)")
 
-COMPILED = [
+
+def _check_prefill_logits(model: torch.nn.Module) -> None:
+    ref = reference()
+    with torch.no_grad():
+        logits = model(ref.ids.to("dtorch")).logits
+    torch.testing.assert_close(logits.full_tensor(), ref.logits, rtol=1e-4, atol=1e-4)
+
+
+def _check_generate(model: Any, sizes: TinyLlama, *, calls: int = 1) -> None:
+    """Tokens equal torch's and every step's logits within 1e-4; further calls replay (tokens only)."""
+    ref = step_reference(sizes)
+    ids, mask = ref.ids.to("dtorch"), torch.ones_like(ref.ids).to("dtorch")
+    out = model.generate(
+        ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True, **greedy()
+    )
+    assert torch.equal(dt.to_torch(out.sequences), ref.tokens)
+    assert len(out.logits) == len(ref.step_logits)
+    for step, (got, want) in enumerate(zip(out.logits, ref.step_logits, strict=True)):
+        torch.testing.assert_close(
+            dt.to_torch(got), want, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}"
+        )
+    for _ in range(calls - 1):
+        tokens = model.generate(ids, attention_mask=mask, **greedy())
+        assert torch.equal(dt.to_torch(tokens), ref.tokens)
+
+
+def _compiled(model: Any) -> Any:
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="dtorch")  # HF's way: generate calls self.forward
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("axes", "cp_mode"), layout_cases(4))
+def test_compiled_generate(axes: dict[str, int], cp_mode: str) -> None:
+    model = parallelize_llama(fresh_model(SIZES_2), make_mesh(axes), cp_mode=cp_mode)
+    _check_generate(_compiled(model), SIZES_2, calls=2)
+
+
+PREFILL = [
     ({"tp": 2}, "ulysses"),
     ({"pp": 2}, "ulysses"),
     ({"cp": 2}, "ring"),
@@ -21,45 +82,37 @@ COMPILED = [
 ]
 
 
-def _check(model: torch.nn.Module, *, calls: int = 1) -> None:
-    ref = reference()
-    with torch.no_grad():
-        logits = model(ref.ids.to("dtorch")).logits
-    torch.testing.assert_close(logits.full_tensor(), ref.logits, rtol=1e-4, atol=1e-4)
-    mask = torch.ones_like(ref.ids).to("dtorch")
-    for _ in range(calls):  # a second call replays the compiled programs (prefill and decode shapes)
-        tokens = model.generate(ref.ids.to("dtorch"), attention_mask=mask, **greedy())
-        assert torch.equal(dt.to_torch(tokens), ref.tokens)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("axes", "cp_mode"), COMPILED, ids=[f"{layout_id(a)}-{m}" for a, m in COMPILED])
-def test_compiled_generate(axes: dict[str, int], cp_mode: str) -> None:
-    torch._dynamo.reset()
+@pytest.mark.parametrize(("axes", "cp_mode"), PREFILL, ids=[f"{layout_id(a)}-{m}" for a, m in PREFILL])
+def test_compiled_prefill_logits(axes: dict[str, int], cp_mode: str) -> None:
+    """The whole prefill's logits through the compiled forward (``generate`` keeps only the last position's)."""
     model = parallelize_llama(fresh_model(), make_mesh(axes), cp_mode=cp_mode)
-    model.forward = torch.compile(model.forward, backend="dtorch")  # HF's way: generate calls self.forward
-    _check(model, calls=2)
-
-
-PROCESS = [({"tp": 2}, "ulysses"), ({"pp": 2}, "ulysses"), ({"cp": 2}, "ring")]
+    _check_prefill_logits(_compiled(model))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("axes", "cp_mode"), PROCESS, ids=[f"{layout_id(a)}-{m}" for a, m in PROCESS])
+@pytest.mark.parametrize(("axes", "cp_mode"), layout_cases(4))
 def test_process_mode_generate(axes: dict[str, int], cp_mode: str) -> None:
     model = parallelize_llama(fresh_model(), make_mesh(axes, mode="process"), cp_mode=cp_mode)
-    _check(model)
+    _check_prefill_logits(model)
+    _check_generate(model, SIZES)
+
+
+PROCESS_COMPILED = [({"tp": 2}, "ulysses"), ({"pp": 2, "cp": 2}, "ring")]
 
 
 @pytest.mark.slow
-def test_process_mode_compiled_generate(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("axes", "cp_mode"), PROCESS_COMPILED, ids=[f"{layout_id(a)}-{m}" for a, m in PROCESS_COMPILED]
+)
+def test_process_mode_compiled_generate(
+    axes: dict[str, int], cp_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # workers compiling on a loaded 2-core machine (CI runs two test processes) can miss 1 s of heartbeats: this
     # test is about compiled generation, not failure detection (tests/cluster covers that)
     monkeypatch.setenv("DTORCH_HEARTBEAT_TIMEOUT_S", "30")
     # the compiling controller is silent for seconds too
     monkeypatch.setenv("DTORCH_CONTROLLER_TIMEOUT_S", "30")
     dt.shutdown()
-    torch._dynamo.reset()
-    model = parallelize_llama(fresh_model(), make_mesh({"tp": 2}, mode="process"))
-    model.forward = torch.compile(model.forward, backend="dtorch")
-    _check(model)
+    model = parallelize_llama(fresh_model(SIZES_2), make_mesh(axes, mode="process"), cp_mode=cp_mode)
+    _check_generate(_compiled(model), SIZES_2, calls=2)
