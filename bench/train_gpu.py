@@ -98,7 +98,8 @@ def synchronize(device: str) -> None:
 
 
 def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, float]:
-    import torch_dtorch as dt
+    if mode.startswith("dtorch"):  # only then: see run_fresh
+        import torch_dtorch as dt
 
     model: Any = build(args)
     inputs: Any = ids
@@ -152,13 +153,30 @@ def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str
     return {"step_s": statistics.median(times), "peak_gib": peak, "loss": first_loss}
 
 
-def run_fresh(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, float]:
-    """:func:`run_mode`, then everything it made is dropped (the worker pool too) before the next mode."""
-    import torch_dtorch as dt
+def _in_process(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, float]:
+    return run_fresh(mode, args, ids.to(args.device), spawn=False)
 
+
+def run_fresh(
+    mode: str, args: argparse.Namespace, ids: torch.Tensor, *, spawn: bool | None = None
+) -> dict[str, float]:
+    """:func:`run_mode`, then everything it made is dropped (the worker pool too) before the next mode.
+
+    On CUDA each mode runs in a process of its own (``spawn``): the torch baselines must not import torch_dtorch,
+    whose device becomes torch's accelerator and breaks plain-CUDA autograd in that process (pytorch/pytorch#161129,
+    docs/training.md), and every mode starts from an empty GPU."""
+    if spawn is None:
+        spawn = args.device == "cuda"
+    if spawn:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(_in_process, (mode, args, ids.cpu()))
     result = run_mode(mode, args, ids)
     gc.collect()
     if mode.startswith("dtorch"):
+        import torch_dtorch as dt
+
         dt.shutdown()
     if args.device == "cuda":
         torch.cuda.empty_cache()

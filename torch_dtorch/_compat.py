@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "TORCH_VERSION",
     "create_empty_tensor",
+    "explain_cuda_autograd_conflict",
     "dispatch_mode_depth",
     "keep_composites_whole",
     "native_composite_check",
@@ -54,6 +55,46 @@ def setup_privateuse1_python_backend(name: str) -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(name)
+    explain_cuda_autograd_conflict()
+
+
+#: the assertion torch's autograd engine raises for a backward over CUDA tensors once a PrivateUse1 backend exists
+_STREAM_ASSERT = "opt_ready_stream && opt_parent_stream"
+
+
+def explain_cuda_autograd_conflict() -> None:
+    """Turn torch's INTERNAL ASSERT for a plain-CUDA backward after ``import torch_dtorch`` into a clear error.
+
+    Registering a PrivateUse1 backend makes it torch's accelerator (``torch.accelerator.current_accelerator()``), and
+    torch's autograd engine then finds no stream for nodes of CUDA tensors and asserts (pytorch/pytorch#161129). Not
+    fixable from outside torch; backward and ``torch.autograd.grad`` share ``torch.autograd._engine_run_backward``,
+    which is wrapped here to name the cause and the fix. dtorch's own tensors are unaffected."""
+    autograd = torch.autograd
+    run = getattr(autograd, "_engine_run_backward", None)
+    if run is None or getattr(run, "_dtorch_explained", False):
+        return
+
+    @functools.wraps(run)
+    def explained(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        except RuntimeError as e:
+            if _STREAM_ASSERT not in str(e):
+                raise
+            from torch_dtorch.errors import AcceleratorConflictError
+
+            raise AcceleratorConflictError(
+                "backward over CUDA tensors failed inside torch's autograd engine (INTERNAL ASSERT "
+                f"'{_STREAM_ASSERT}'). Cause: `import torch_dtorch` registers the 'dtorch' device as torch's "
+                "PrivateUse1 backend, which makes it the process's accelerator "
+                "(torch.accelerator.current_accelerator() is dtorch), and torch's autograd then has no stream for "
+                "plain CUDA tensors (pytorch/pytorch#161129). dtorch tensors are unaffected. Fix: put the model on a "
+                "dtorch mesh (dt.init_device_mesh('cuda', ...)), or run plain-CUDA training in a process that does "
+                "not import torch_dtorch (bench/train_gpu.py runs each mode in its own process for this)."
+            ) from e
+
+    explained._dtorch_explained = True  # type: ignore[attr-defined]
+    autograd._engine_run_backward = explained  # type: ignore[attr-defined]
 
 
 # --- torch.compile front end (torch_dtorch.backend) -----------------------------------------------------------------

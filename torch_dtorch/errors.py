@@ -118,3 +118,8 @@ def __getattr__(name: str) -> object:
 
         return DeviceMemoryError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class AcceleratorConflictError(DTorchError, RuntimeError):
+    """torch's autograd failed on plain CUDA tensors because the dtorch PrivateUse1 backend is torch's accelerator in
+    this process (pytorch/pytorch#161129)."""
