@@ -19,8 +19,8 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +31,9 @@ from torch_dtorch.cluster.codec import BatchDecoder, BatchEncoder
 from torch_dtorch.cluster.transport import MessageKind, wire
 from torch_dtorch.device.state import get_session
 from torch_dtorch.executor.instructions import FastRun
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from eager_e2e import chain_us  # noqa: E402 - the same chain timing as the issue's bench
 
 log = logging.getLogger("bench.process_wire")
 SECRET = b"b" * 32
@@ -74,21 +77,6 @@ def codec_round(batches: list[list[Any]], *, hits: bool) -> tuple[float, float, 
         t_dec += t2 - t1
         nbytes += sum(memoryview(f).nbytes for f in frames)
     return t_enc / n * 1e6, t_dec / n * 1e6, nbytes / n
-
-
-def chain_us(step: Callable[[], None], sync: Callable[[], None], *, ops: int, repeat: int) -> float:
-    steps = ops // 2
-    for _ in range(steps):
-        step()
-    sync()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync()
-        times.append((time.perf_counter() - t0) / (2 * steps) * 1e6)
-    return statistics.median(times)
 
 
 def e2e(*, ops: int, repeat: int, rounds: int) -> dict[str, list[float]]:

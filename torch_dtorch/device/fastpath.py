@@ -232,14 +232,8 @@ class FastOp:
             first = _bind(rt, first, unbound, key, targs)
         if first is None:
             return MISS
-        if kwargs:
-            for v in kwargs.values():
-                if isinstance(v, (Tensor, list)):
-                    return MISS
-            key.append(tuple((k, type(v), number_key(v)) for k, v in kwargs.items()))
-        try:
-            tpl = self.cache.get(tuple(key))
-        except TypeError:  # an unhashable constant
+        tpl = self._lookup(key, kwargs)
+        if tpl is MISS:
             return MISS
         if tpl is None:
             return self._record(rt, args, kwargs, targs, tuple(key))
@@ -254,6 +248,19 @@ class FastOp:
             for k in tpl.const_slots:
                 inputs[k] = None
         return self._hit(rt, tpl, args, targs, inputs)
+
+    def _lookup(self, key: list[Any], kwargs: dict[str, Any]) -> Any:
+        """The cached template of ``key`` (plus ``kwargs``' constants, appended to ``key``); ``None`` when there is
+        none yet; ``MISS`` when the call cannot take the fast path (a tensor or list keyword, an unhashable one)."""
+        if kwargs:
+            for v in kwargs.values():
+                if isinstance(v, (Tensor, list)):
+                    return MISS
+            key.append(tuple((k, type(v), number_key(v)) for k, v in kwargs.items()))
+        try:
+            return self.cache.get(tuple(key))
+        except TypeError:  # an unhashable constant
+            return MISS
 
     def _hit(
         self, rt: Any, tpl: _Template, args: tuple[Any, ...], targs: list[Any], inputs: list[Operand | None]
@@ -304,14 +311,8 @@ class FastOp:
                 key.append(_constant_key(a))
         if not inputs:
             return MISS
-        if kwargs:
-            for v in kwargs.values():
-                if isinstance(v, (Tensor, list)):
-                    return MISS
-            key.append(tuple((k, type(v), number_key(v)) for k, v in kwargs.items()))
-        try:
-            tpl = self.cache.get(tuple(key))
-        except TypeError:  # an unhashable constant
+        tpl = self._lookup(key, kwargs)
+        if tpl is MISS:
             return MISS
         if tpl is None:
             return self._record(rt, args, kwargs, targs, tuple(key))
