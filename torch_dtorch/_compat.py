@@ -29,6 +29,7 @@ __all__ = [
     "has_kernel_for_dispatch_key",
     "hide_from_dynamo",
     "scaled_mm",
+    "register_dynamo_backend",
     "setup_privateuse1_python_backend",
 ]
 
@@ -98,6 +99,15 @@ def explain_cuda_autograd_conflict() -> None:
 
 
 # --- torch.compile front end (torch_dtorch.backend) -----------------------------------------------------------------
+
+
+def register_dynamo_backend(name: str, compiler_fn: Any) -> None:
+    """Make ``torch.compile(backend=name)`` find ``compiler_fn`` once ``torch_dtorch`` is imported, also from a source
+    checkout that has no installed entry points; a name already registered (the entry point, a second import) is kept."""
+    from torch._dynamo.backends import registry
+
+    if name not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=compiler_fn, name=name)
 
 
 def aot_module_simplified(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

@@ -1,7 +1,8 @@
 """``torch.compile`` backends for dtorch: ``dtorch`` and ``dtorch_debug``.
 
 Registered through the ``torch_dynamo_backends`` entry-point group (see ``pyproject.toml``), so
-``torch.compile(model, backend="dtorch")`` finds them after ``pip install`` without importing ``torch_dtorch``.
+``torch.compile(model, backend="dtorch")`` finds them after ``pip install`` without importing ``torch_dtorch``; importing
+this module registers them too (a source checkout on ``PYTHONPATH`` has no entry points).
 A backend is ``(gm, example_inputs, **kwargs) -> callable``; the heavy imports happen inside. See docs/compile.md.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from torch_dtorch._compat import register_dynamo_backend
 from torch_dtorch.executor.worker import declare_worker_module
 
 if TYPE_CHECKING:
@@ -48,3 +50,7 @@ def dtorch_debug_backend(
     from torch_dtorch.backend.compiler import compile_graph
 
     return compile_graph(gm, example_inputs, options=options, mode=mode, backend="dtorch_debug", debug=True)
+
+
+register_dynamo_backend("dtorch", dtorch_backend)
+register_dynamo_backend("dtorch_debug", dtorch_debug_backend)
