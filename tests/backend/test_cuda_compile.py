@@ -20,8 +20,8 @@ pytestmark = [
 # (the backend callable, not the entry-point name: GPU machines run the tests from a source tree)
 
 
-def _mesh(n: int) -> dt.DeviceMesh:
-    return dt.init_device_mesh("cuda", (n,), mesh_dim_names=("tp",), simulate=True)
+def _mesh(n: int, mode: str | None = None) -> dt.DeviceMesh:
+    return dt.init_device_mesh("cuda", (n,), mesh_dim_names=("tp",), simulate=True, mode=mode)
 
 
 def test_tp_mlp_on_virtual_gpus() -> None:
@@ -66,17 +66,28 @@ def test_cudagraphs_on_one_gpu() -> None:
         torch.testing.assert_close(y2.full_tensor().cuda(), ref2, atol=1e-4, rtol=1e-4)
 
 
-def test_sequence_sharded_attention_on_virtual_gpus() -> None:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_sequence_sharded_attention_on_virtual_gpus(mode: str) -> None:
+    """Collectives and communicating kernels inside a compiled program: host-synchronized around thread mode's
+    in-memory collectives, stream-ordered (no host synchronization) in process mode."""
     torch.manual_seed(0)
     model, x = Attention(dim=32, heads=4).cuda(), torch.randn(2, 16, 32, device="cuda")
     with torch.no_grad():
         ref = model(x)
-        mesh = _mesh(2)
+        mesh = _mesh(2, mode)
         distribute_module(model, mesh)
         compiled = torch.compile(model, backend=dtorch_backend, options={"worker_compiler": "inductor"})
         dx = dt.distribute_tensor(x, mesh, [Shard(1)])
-        for _ in range(2):
+        for _ in range(3):
             torch.testing.assert_close(compiled(dx).full_tensor().cuda(), ref, atol=1e-4, rtol=1e-4)
+        tp = MLP(dim=32, hidden=64).cuda()
+        ref = tp(x)
+        distribute_module(tp, mesh, tp_mlp_plan())
+        compiled_tp = torch.compile(tp, backend=dtorch_backend, options={"worker_compiler": "inductor"})
+        rx = dt.distribute_tensor(x, mesh, [Replicate()])
+        for _ in range(3):  # the row-parallel output's all-reduce is a collective step of the program
+            torch.testing.assert_close(compiled_tp(rx).full_tensor().cuda(), ref, atol=1e-4, rtol=1e-4)
+    dt.shutdown()
 
 
 def test_compiled_segments_run_without_default_device_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,15 +165,23 @@ def _compile_segment(
     return fn
 
 
+def _host_synced(worker: Worker, run: Callable[[], Any]) -> Any:
+    """``run()``, a collective or communicating kernel of the program, on the program's (compute) stream. With a
+    stream-ordered communicator (``torch.distributed``: process mode) nothing more is needed; thread mode's in-memory
+    collectives compute results on whichever rank's thread arrives last, so — as eager redistributes do
+    (``OpRunner.host_sync_collectives``) — this rank's writes are complete before peers read them, and the device is
+    synchronized after (a result may come from a peer thread's stream)."""
+    if worker.torch_device.type != "cuda" or not worker.op_runner.host_sync_collectives:
+        return run()
+    torch.cuda.current_stream(worker.torch_device).synchronize()
+    out = run()
+    torch.cuda.synchronize(worker.torch_device)
+    return out
+
+
 def _collective(worker: Worker, step: CollectiveStep, x: torch.Tensor | None) -> torch.Tensor | None:
     execute_plan = worker.op_runner.execute_plan
-    if worker.torch_device.type == "cuda":
-        # in-memory collectives compute results on whichever rank's thread arrives last: sync around them
-        torch.cuda.synchronize(worker.torch_device)
-        out = execute_plan(step.plan, x, device=worker.device, comm=worker.comm)
-        torch.cuda.synchronize(worker.torch_device)
-        return out
-    return execute_plan(step.plan, x, device=worker.device, comm=worker.comm)
+    return _host_synced(worker, lambda: execute_plan(step.plan, x, device=worker.device, comm=worker.comm))
 
 
 def _zeros_like_meta(meta: Any, device: torch.device) -> Any:
@@ -199,12 +207,8 @@ def _comm_kernel(worker: Worker, step: KernelStep, vals: list[Any], seq: int) ->
     communicator; ``seq`` numbers this call of the step alike on every rank (its messages' tags)."""
     args, kwargs = _resolve(step.args, vals), _resolve(step.kwargs, vals)
     ctx = step.with_comm(worker.comm, seq)
-    if worker.torch_device.type == "cuda":  # as around collectives: peers read what this rank's stream wrote
-        torch.cuda.synchronize(worker.torch_device)
-        out = step.rule.kernel(step.call, ctx, args, kwargs)
-        torch.cuda.synchronize(worker.torch_device)
-        return out
-    return step.rule.kernel(step.call, ctx, args, kwargs)
+    # as around collectives: peers read what this rank's stream wrote
+    return _host_synced(worker, lambda: step.rule.kernel(step.call, ctx, args, kwargs))
 
 
 @register_instruction(RunProgram)
