@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_dtorch as dt
-from tests.eager.conftest import TEST_MODE, init_mesh
+from tests.eager.conftest import init_mesh
 from torch_dtorch import Partial, Replicate, Shard
 from torch_dtorch.device import fastpath
 
@@ -133,11 +133,9 @@ def test_constants_never_collide_with_layouts_or_other_types() -> None:
 
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Equal values, signs of zeros and NaNs where torch has them (``torch.equal`` alone takes ``-0.0 == 0.0`` and
-    ``nan != nan``). Process mode: the signs of NaNs are not compared (the wire sends a NaN constant as ``"nan"``)."""
+    ``nan != nan``), in thread and process mode (the wire sends a NaN constant's bytes)."""
     nan = want.isnan()
     signs = got.signbit() == want.signbit()
-    if TEST_MODE != "thread":
-        signs |= nan
     return (
         torch.equal(got.isnan(), nan)
         and bool(signs.all())
@@ -168,6 +166,21 @@ def test_signed_zeros_and_nans_are_distinct_constants(name: str, fn: Callable[[A
             assert _same_bits(got, want), f"{name}({c}) round {round_}: {got} vs torch {want}"
             if round_:
                 assert delta["miss"] == 0, f"{name}({c}) missed the fast path in round {round_}: {delta}"
+
+
+def test_signed_complex_constants_are_distinct() -> None:
+    """Complex constants too: ``z * complex(-0.0, -0.0)`` after ``z * 0j`` keeps its signs of zeros, in thread mode
+    (the plan cache key) and process mode (the wire's template key and constant)."""
+    mesh = init_mesh((2,))
+    a = torch.tensor([[1.5 - 2.0j, 0.5j], [-3.0 + 0.0j, 1.0 + 1.0j]])
+    z = dt.distribute_tensor(a, mesh, [Shard(0)])
+    nan = float("nan")
+    for _ in range(2):
+        for c in (0j, complex(-0.0, -0.0), complex(-nan, 1.0), complex(nan, 1.0)):
+            got, want = dt.to_torch(z * c), a * c
+            for part in ("real", "imag"):
+                g, w = getattr(got, part), getattr(want, part)
+                assert _same_bits(g, w), f"z * {c}: {part} {g} vs torch {w}"
 
 
 def test_int_and_float_constants_plan_apart() -> None:

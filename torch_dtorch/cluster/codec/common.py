@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -146,3 +147,16 @@ class Slot:
 
     def __init__(self, k: int) -> None:
         self.k = k
+
+
+def nonfinite_body(v: float) -> str:
+    """A NaN or infinity as the hex of its 8 IEEE bytes: a NaN's sign and payload survive (``repr`` gives ``nan``
+    for both signs, and ``copysign``/``signbit`` tell them apart)."""
+    return struct.pack("<d", v).hex()
+
+
+def nonfinite_from_body(body: str) -> float:
+    """:func:`nonfinite_body` read back (``"nan"``/``"inf"``/``"-inf"`` from an older encoder too)."""
+    if len(body) == 16:
+        return float(struct.unpack("<d", bytes.fromhex(body))[0])
+    return float(body)

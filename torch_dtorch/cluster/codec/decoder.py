@@ -19,6 +19,7 @@ from torch_dtorch.cluster.codec.common import (
     VERSION,
     CodecError,
     Slot,
+    nonfinite_from_body,
     resolve_op,
 )
 from torch_dtorch.cluster.codec.hits import HitDecoding, unpack
@@ -213,7 +214,7 @@ class DecodeContext:
                 raise CodecError(f"tensor constant expected, got {type(t).__name__}")
             return t
         if tag == "f":
-            return float(tree[1])
+            return nonfinite_from_body(tree[1])
         if tag == "c":
             return complex(self.value(tree[1]), self.value(tree[2]))
         if tag == "p":

@@ -22,6 +22,7 @@ from torch_dtorch.cluster.codec.common import (
     VERSION,
     CodecError,
     Slot,
+    nonfinite_body,
     op_name,
     pl_str,
 )
@@ -43,6 +44,7 @@ from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan
+from torch_dtorch.placement_rules.rule import number_key
 
 __all__ = ["BatchEncoder", "EncodeContext"]
 
@@ -80,9 +82,8 @@ def _key(a: Any, key: list[Any], inputs: list[Operand | None]) -> bool:
     elif t is int or t is str or t is bool or a is None:
         key.append(t)
         key.append(a)
-    elif t is float:
-        key.append(float)
-        key.append(a.hex())  # tells -0.0 and nan apart
+    elif t is float or t is complex:
+        key.append(number_key(a))  # by bits: tells -0.0 and the signs of NaNs apart
     elif t is dict:
         key.append(dict)
         for k, v in a.items():
@@ -90,7 +91,7 @@ def _key(a: Any, key: list[Any], inputs: list[Operand | None]) -> bool:
             if not _key(v, key, inputs):
                 return False
         key.append(_END)
-    elif t in CONST_TAG or t is torch.device or t is complex or t is torch.Size:
+    elif t in CONST_TAG or t is torch.device or t is torch.Size:
         key.append(t)
         key.append(a)
     else:
@@ -167,7 +168,7 @@ class EncodeContext:
         if v is None or t is bool or t is int or t is str:
             return v
         if t is float:
-            return v if math.isfinite(v) else ["f", repr(v)]
+            return v if math.isfinite(v) else ["f", nonfinite_body(v)]
         if t is list or t is tuple or t is torch.Size:
             return ["l" if t is list else "t" if t is tuple else "S", *[self.value(x) for x in v]]
         if t is dict:
