@@ -93,7 +93,10 @@ def same_value(a: Any, b: Any) -> None:
     elif isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and torch.equal(a, b)
     elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b)
+        assert math.isnan(b) and math.copysign(1, a) == math.copysign(1, b), (a, b)  # a NaN keeps its sign
+    elif isinstance(a, complex):
+        same_value(a.real, b.real)
+        same_value(a.imag, b.imag)
     elif isinstance(a, float):
         assert a == b and math.copysign(1, a) == math.copysign(1, b)
     else:
@@ -230,7 +233,8 @@ def test_constants_keep_their_types(mesh: DeviceMesh) -> None:
     """1, 1.0 and True are equal in Python: each must still reach the worker with its own type (and -0.0, nan)."""
     rec = Recorder(mesh)
     x = rec.g.input((4,), mesh, [R, R], dtype=torch.int64)
-    consts = [1, 1.0, True, -0.0, 0.0, float("nan"), float("inf"), 2**40]
+    nan = float("nan")
+    consts = [1, 1.0, True, -0.0, 0.0, nan, -nan, float("inf"), 2**40, 0j, complex(-0.0, -0.0)]
     for c in consts:
         rec.g.call(aten.add.Tensor, x, c)
     enc, dec = BatchEncoder(), BatchDecoder()
@@ -253,6 +257,8 @@ def test_value_round_trip() -> None:
         Shard(1),
         Partial("avg"),
         float("-inf"),
+        -float("nan"),
+        complex(-0.0, float("nan")),
     ]
     trees = [enc.value(v) for v in values]
     back = [dec.value(json.loads(json.dumps(t))) for t in trees]
