@@ -29,6 +29,7 @@ __all__ = [
     "has_kernel_for_dispatch_key",
     "hide_from_dynamo",
     "scaled_mm",
+    "capturable_optimizers_on",
     "register_dynamo_backend",
     "setup_privateuse1_python_backend",
 ]
@@ -108,6 +109,47 @@ def register_dynamo_backend(name: str, compiler_fn: Any) -> None:
 
     if name not in registry._COMPILER_FNS:
         registry.register_backend(compiler_fn=compiler_fn, name=name)
+
+
+def capturable_optimizers_on(device_type: str) -> bool:
+    """Make dynamo treat parameters on ``device_type`` as it treats CUDA ones when it traces an optimizer step.
+
+    Tracing ``opt.step``, dynamo runs ``_init_group`` eagerly and sets the group's ``capturable`` flag first when
+    every parameter is a CUDA/XPU one with no state yet (``OptimizerVariable._set_capturable``), so Adam/AdamW make
+    their ``step`` counters on the parameters' device; the traced code always takes the capturable path. For other
+    devices the real flag stays ``False`` and ``_init_group`` makes CPU ``step`` tensors, which the compiled graph
+    then updates on the device and copies back to the host after every call (one download per parameter). Wrapped
+    here: groups whose parameters are all on ``device_type`` (torch's ``_get_capturable_supported_devices`` lists
+    the PrivateUse1 backend) and have no state get ``capturable=True`` as CUDA groups do. Returns whether the hook
+    is in place (``False`` on a torch without that method: the host copies then remain, still correct)."""
+    try:
+        from torch._dynamo.variables.optimizer import OptimizerVariable
+    except ImportError:  # pragma: no cover - other torch versions
+        return False
+    original = getattr(OptimizerVariable, "_set_capturable", None)
+    if original is None:
+        log.debug(
+            "capturable_optimizers_on: torch %s has no OptimizerVariable._set_capturable", torch.__version__
+        )
+        return False
+    if getattr(original, "_dtorch_device", None) == device_type:
+        return True
+
+    def _set_capturable(self: Any, tx: Any) -> None:
+        optimizer = self.value
+        for group in optimizer.param_groups:
+            params = group.get("params", [])
+            if (
+                "capturable" in group
+                and params
+                and all(p.device.type == device_type and p not in optimizer.state for p in params)
+            ):
+                group["capturable"] = True
+        original(self, tx)
+
+    _set_capturable._dtorch_device = device_type  # type: ignore[attr-defined]
+    OptimizerVariable._set_capturable = _set_capturable  # type: ignore[method-assign]
+    return True
 
 
 def aot_module_simplified(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

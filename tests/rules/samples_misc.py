@@ -48,6 +48,10 @@ SAMPLES: dict[object, list[Sample]] = {
         Sample((X, 1.0, True)),
         Sample((X, 0.4, True), compare=False),
     ],
+    aten.native_dropout.default: [
+        Sample((X, 0.3, False)),
+        Sample((X3, 0.4, True), compare=False),
+    ],
     aten.one_hot.default: [Sample((INT, 5)), Sample((INT[0], 4))],
     # random: shapes and dtypes only (the values follow the generator state, checked in tests/apps/llama)
     aten.multinomial.default: [

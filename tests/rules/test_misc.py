@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rules.harness import Sample, check_sample
+from tests.rules.harness import Sample, check_sample, to_call
 from tests.rules.test_creation import run
 from torch_dtorch.errors import ShapeError
+from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Partial, Replicate, Shard
 from torch_dtorch.placement_rules import get_rule, intercept_list, rules_by_family
+from torch_dtorch.placement_rules.ranks import assemble, coords, distribute, run_all_ranks
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -106,6 +108,44 @@ def test_dropout_train_equals_torch_under_seed(placements: tuple) -> None:
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     if P not in placements:
         assert torch.equal(got, want)
+    assert torch.equal(after, torch.get_rng_state())
+
+
+def _run_outputs(op: object, args: tuple, mesh_shape: tuple, placements: list) -> tuple:
+    """Plan and run ``op`` on shards; every output assembled (``run`` assembles output 0 only)."""
+    call, globals_ = to_call(op, Sample(args), DeviceMesh.from_shape("cpu", mesh_shape), placements)
+    rule = get_rule(op)
+    plan = rule.plan(call)
+    local: dict = {c: [] for c in coords(mesh_shape)}
+    for t, target in zip(globals_, plan.match.in_targets, strict=True):
+        shards = distribute(t, mesh_shape, target) if t is not None and target is not None else None
+        for c in local:
+            local[c].append(shards[c] if shards is not None else None)
+    outs = run_all_ranks(rule, call, plan.out_placements, local, mesh_shape)
+    got = [
+        assemble({c: o[k] for c, o in outs.items()}, mesh_shape, pl)
+        for k, pl in enumerate(plan.out_placements)
+    ]
+    return plan, got
+
+
+@pytest.mark.parametrize("placements", [(S(0),), (S(1), S(0)), (P,), (S(2), S(2))], ids=str)
+def test_native_dropout_train_equals_torch_under_seed(placements: tuple) -> None:
+    """``native_dropout`` (what compiled training captures for ``F.dropout``): output and bool mask equal CPU
+    torch's kernel under one seed, and the generator ends where torch's does."""
+    x = rand(5, 3, 7)
+    mesh = (2,) * len(placements)
+    torch.manual_seed(7)
+    plan, got = _run_outputs(aten.native_dropout.default, (x, 0.4, True), mesh, [placements])
+    after = torch.get_rng_state()
+    torch.manual_seed(7)
+    want = aten.native_dropout.default(x, 0.4, True)
+    assert plan.match.in_targets == (placements,)
+    assert plan.out_placements[0] == placements
+    assert got[1].dtype == torch.bool and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    if P not in placements:
+        assert torch.equal(got[0], want[0])
     assert torch.equal(after, torch.get_rng_state())
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torch_dtorch._compat import register_dynamo_backend
+from torch_dtorch._compat import capturable_optimizers_on, register_dynamo_backend
 from torch_dtorch.executor.worker import declare_worker_module
 
 if TYPE_CHECKING:
@@ -54,3 +54,5 @@ def dtorch_debug_backend(
 
 register_dynamo_backend("dtorch", dtorch_backend)
 register_dynamo_backend("dtorch_debug", dtorch_debug_backend)
+# a compiled optimizer step makes Adam's ``step`` counters on the dtorch device, as dynamo does for CUDA
+capturable_optimizers_on("dtorch")

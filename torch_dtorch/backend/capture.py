@@ -36,8 +36,25 @@ log = logging.getLogger(__name__)
 DECOMPOSITIONS: tuple[Any, ...] = ()
 
 
+def _fma(a: Any, b: Any, c: Any) -> Any:
+    """``prims.fma(a, b, c)`` as its own eager implementation, ``(a * b) + c`` (two roundings, as eager runs it)."""
+    return aten.add.Tensor(aten.mul.Tensor(a, b), c)
+
+
+def extra_decompositions() -> dict[Any, Callable[..., Any]]:
+    """Decompositions torch's table does not hold, for ops dynamo itself emits. ``prims.fma``: dynamo rewrites
+    ``t.addcmul_(x, y, value=v)``, ``t.addcdiv_(x, y, value=v)`` and ``t.add_(x, alpha=tensor)`` into
+    ``copy_(t, fma(x * y, v, t))`` (``torch._dynamo.config.enable_dynamo_decompositions``), which the single-tensor
+    (``foreach=False``) Adam/AdamW step does; dtorch has no rule for the prim. The prim exists once
+    ``torch._inductor.inductor_prims`` is imported (dynamo imports it before it emits one)."""
+    table: dict[Any, Callable[..., Any]] = {}
+    if hasattr(torch.ops.prims, "fma"):
+        table[torch.ops.prims.fma.default] = _fma
+    return table
+
+
 def decomposition_table(extra: Sequence[Any] = ()) -> dict[Any, Callable[..., Any]]:
-    return _compat.core_decompositions([*DECOMPOSITIONS, *extra])
+    return {**extra_decompositions(), **_compat.core_decompositions([*DECOMPOSITIONS, *extra])}
 
 
 def needs_grad(example_inputs: Sequence[Any]) -> bool:

@@ -63,6 +63,9 @@ class Propagated:
         return ProgramSource(self.mesh, tuple(self.inputs), tuple(self.graph.operators), tuple(self.outputs))
 
 
+_CONVERT_ELEMENT_TYPE = torch.ops.prims.convert_element_type.default
+
+
 def _check_static(node: fx.Node) -> None:
     val = node.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
@@ -228,6 +231,10 @@ def propagate(
                 env[node] = _place(con, moved, *args)
             elif node.target is PLACE_AS_OP:  # the backward of ``place`` (training)
                 env[node] = _place_as(con, *args)
+            elif node.target is _CONVERT_ELEMENT_TYPE:
+                # inserted after tracing by torch's scalar tensorify pass: a float hyperparameter dynamo made
+                # dynamic (a changed ``lr``) arrives as a 0-d float64 input and is cast before it meets a tensor
+                env[node] = con.call(torch.ops.aten._to_copy.default, args[0], dtype=args[1])
             elif isinstance(node.target, torch._ops.OpOverload):
                 env[node] = con.call(node.target, *args, **kwargs)
             else:

@@ -18,6 +18,7 @@ from torch_dtorch._compat import (
 )
 from torch_dtorch.device import binding, dispatch, fastpath, rng
 from torch_dtorch.device.attention_grad import sdpa_autograd
+from torch_dtorch.device.dropout_grad import dropout_autograd
 from torch_dtorch.device.rng import install_rng_functions
 from torch_dtorch.device.special_overloads import (
     RESTRIDE_INPLACE,
@@ -227,6 +228,8 @@ def _copy_inplace(generic: Callable[..., Any]) -> Callable[..., Any]:
     def kernel(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
         if isinstance(src, torch.Tensor) and not is_dtorch(src) and src.dim() > 0 and is_dtorch(self):
             return _copy_from(src, self, non_blocking)
+        if isinstance(src, torch.Tensor) and is_dtorch(src) and not is_dtorch(self):
+            return _copy_from(src, self, non_blocking)  # a download into a plain tensor
         return generic(self, src, non_blocking)
 
     return kernel
@@ -373,6 +376,10 @@ def ensure_registered() -> None:
             if op is aten.scaled_dot_product_attention.default:
                 # autograd through the fused attention pair, whose rules keep CP in the backward
                 lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), "AutogradPrivateUse1")
+                continue
+            if op is aten.dropout.default:
+                # training draws CPU torch's unfused noise (torch's decomposition would take native_dropout)
+                lib.impl(_schema_name(op), dropout_autograd(_autograd(op)), "AutogradPrivateUse1")
                 continue
             if not isinstance(op, str) and has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd"):
                 if fastpath.NATIVE is not None and _KERNELS.get(op) == "generic":

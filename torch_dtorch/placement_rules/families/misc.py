@@ -1,4 +1,4 @@
-"""Misc family: copies and conversions, fill, dropout, one_hot.
+"""Misc family: copies and conversions, fill, dropout, native_dropout, one_hot.
 
 Signatures (one mesh axis):
 
@@ -19,6 +19,14 @@ Signatures (one mesh axis):
   tensor exactly as CPU torch does (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``) from the shared generator
   state (:func:`~torch_dtorch.placement_rules.families.creation.draw_global`; O(global numel) per rank) and multiplies its
   slice, so results and the generator state equal single-device CPU torch under the same seed.
+- ``native_dropout`` (``(output, mask)``; what torch's decomposition of ``dropout`` calls for accelerator tensors,
+  and what ``torch.compile`` captures for ``F.dropout`` in training): ``S(d) -> S(d), S(d)``,
+  ``P(sum|avg) -> P, R``. It draws CPU torch's ``native_dropout`` mask (the global
+  ``empty_like(input).bernoulli_(1 - p)``, same generator use as ``dropout``) and returns
+  ``input.mul(mask).mul_(1 / (1 - p))`` as CPU's kernel does — equal to CPU ``torch.native_dropout`` bit for bit;
+  equal to CPU ``F.dropout`` (which scales by ``noise.div_(1 - p)`` in float32) where ``float32(1 / (1 - p))`` equals
+  ``1 / float32(1 - p)`` (``p = 0.1``, ``0.2``, ``0.5`` do; ``p = 0.025`` does not: 1 ulp). Eager training does not
+  reach it: ``device/dropout_grad.py`` runs ``dropout`` with grad as CPU's unfused path.
 - ``one_hot(num_classes)``: ``S(d) -> S(d)`` for the input dims. ``num_classes=-1`` (the global max + 1, a
   data-dependent size) raises ``NotImplementedError``.
 
@@ -182,6 +190,35 @@ def _dropout_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwar
     return local * rank_slice(draw_global(call, ctx, draw), ctx).div_(1 - p)
 
 
+def _native_dropout_draws(call: OpCall) -> bool:
+    """Whether ``native_dropout`` draws (CPU torch's kernel draws whenever ``train`` is not ``False``)."""
+    train = call.arg("train")
+    x = call.inputs[0]
+    assert x is not None
+    return (train is None or bool(train)) and x.numel() != 0
+
+
+def _native_dropout_kernel(
+    call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """CPU torch's ``native_dropout``: ``mask = empty_like(x).bernoulli_(1 - p)`` (the global draw),
+    ``out = x.mul(mask).mul_(1 / (1 - p))``, the mask returned as ``bool``."""
+    x, p = call.arg("input"), float(call.arg("p"))
+    local = args[0]
+    if not _native_dropout_draws(call):
+        # (torch returns a mask of the input's dtype for an empty input: an empty shard must still give bool)
+        out, mask = call.op(*args, **kwargs)
+        return out, mask.to(call.out_meta[1].dtype)
+
+    def draw(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=local.device)
+        return noise.bernoulli_(1 - p, generator=gen)
+
+    mask = rank_slice(draw_global(call, ctx, draw), ctx, 1)
+    scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+    return local.mul(mask).mul_(scale), mask.to(torch.bool)
+
+
 def _check_dropout(call: OpCall) -> None:
     p = float(call.arg("p"))
     if not 0 <= p <= 1:
@@ -202,6 +239,21 @@ def dropout(call: OpCall) -> list[PlacementSignature]:
     assert x is not None
     return [sig([Shard(d)], Shard(d)) for d in range(x.ndim)] + [
         sig([Partial(op)], Partial(op)) for op in ("sum", "avg")
+    ]
+
+
+@register_rule(
+    aten.native_dropout.default,
+    family="misc",
+    kernel=_native_dropout_kernel,
+    check=_check_dropout,
+)
+def native_dropout(call: OpCall) -> list[PlacementSignature]:
+    """``(output, mask)``: ``S(d) -> S(d), S(d)``; ``P(sum|avg) -> P, R`` (the mask is the whole global draw)."""
+    x = call.inputs[0]
+    assert x is not None
+    return [sig([Shard(d)], [Shard(d), Shard(d)]) for d in range(x.ndim)] + [
+        sig([Partial(op)], [Partial(op), _R]) for op in ("sum", "avg")
     ]
 
 
