@@ -7,8 +7,9 @@ meets a new cache length every token. This measures that case (CPU, thread mode,
   from a start length no earlier run reached; µs per cat, end to end (the result fetched), median of ``--runs``;
 - ``generate``: per run (``--runs``) a batch-2 prompt of a length no earlier run reached; greedy ``generate`` of
   ``--tokens`` tokens minus the prefill (``generate`` of 1 token, timed after a first call planned it), per decoded
-  token — at new lengths, then the same call again (lengths planned) — with the shape inferences (plan-cache misses)
-  and worker fetches per new-length token (the prefill's included, spread over the tokens), medians.
+  token — at new lengths, then the same call again (lengths planned) — with the calls planned in full (fast-path
+  misses, ``GraphConstructor.num_planned``), the shape inferences (plan-cache misses) and worker fetches per
+  new-length token (the prefill's included, spread over the tokens), medians.
 
     PYTHONPATH=$PWD python bench/llama_decode.py                 # 1-device mesh
     PYTHONPATH=$PWD python bench/llama_decode.py --mesh tp=2
@@ -98,7 +99,8 @@ def bench_generate(mesh: Any, tokens: int, runs: int) -> dict[str, float]:
 
     rule_mod.OpRule.infer_meta = counting_infer  # type: ignore[method-assign]
     executor.fetch = counting_fetch  # type: ignore[method-assign]
-    new, seen, infers, fetches = [], [], [], []
+    new, seen, infers, fetches, plans = [], [], [], [], []
+    constructor = get_session().executor.constructor
     try:
         length = 8 + tokens
         for _ in range(runs):
@@ -107,7 +109,9 @@ def bench_generate(mesh: Any, tokens: int, runs: int) -> dict[str, float]:
             gen(ids, 1)
             prefill = gen(ids, 1)
             counts.update(infer=0, fetch=0)
+            planned = constructor.num_planned
             whole = gen(ids, 1 + tokens)
+            plans.append((constructor.num_planned - planned) / tokens)
             infers.append(counts["infer"] / tokens)
             fetches.append(counts["fetch"] / tokens)
             new.append((whole - prefill) / tokens)
@@ -120,6 +124,7 @@ def bench_generate(mesh: Any, tokens: int, runs: int) -> dict[str, float]:
         "seen_ms_per_token": statistics.median(seen) * 1e3,
         "new_shape_inferences_per_token": statistics.median(infers),
         "fetches_per_token": statistics.median(fetches),
+        "full_plans_per_token": statistics.median(plans),
     }
 
 
@@ -140,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         r = bench_generate(mesh, args.tokens, args.runs)
         print(
             f"generate: {r['new_ms_per_token']:.2f} ms/token at new lengths, {r['seen_ms_per_token']:.2f} at planned"
-            f" ones; {r['new_shape_inferences_per_token']:.1f} shape inferences and"
+            f" ones; {r['full_plans_per_token']:.1f} full plans,"
+            f" {r['new_shape_inferences_per_token']:.1f} shape inferences and"
             f" {r['fetches_per_token']:.2f} fetches per new-length token"
         )
     return 0

@@ -25,6 +25,7 @@ from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.executor.constructor import redistribute_spec
 from torch_dtorch.executor.fast import FastPlan
 from torch_dtorch.graph import Operand
+from torch_dtorch.graph.strides import is_dense, stride_key
 from torch_dtorch.mesh import current_mesh
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
@@ -50,14 +51,29 @@ _LEARNED.tpl = None
 
 
 def layout_of(x: Operand) -> int:
-    """A small int standing for ``x``'s (mesh, placements, shape, stride, dtype). Ids are never reused."""
+    """A small int standing for ``x``'s (mesh, placements, shape, stride, dtype). Ids are never reused.
+
+    A gapped operand's id (strides not dense: ``ids[:, -1:]`` of a growing ``[B, L]``, strides ``(L, 1)``) also
+    maps to the id of its stride *pattern* (:data:`PATTERN_OF`, :func:`~torch_dtorch.graph.strides.stride_key`),
+    under which the templates of non-view ops are kept too (see :meth:`FastOp._pattern_key`)."""
     key = (x.mesh, x.placements, x.shape, x.stride, x.dtype)
     lid = _LAYOUTS.get(key)
     if lid is None:
         if len(_LAYOUTS) >= _MAX_LAYOUTS:
             _LAYOUTS.clear()  # old ids stay unique: templates keyed by them simply stop matching
+            PATTERN_OF.clear()
         lid = _LAYOUTS[key] = next(_LAYOUT_IDS)
+        if x.stride and not is_dense(x.shape, x.stride):
+            pkey = (x.mesh, x.placements, x.shape, stride_key(x.shape, x.stride), x.dtype)
+            pid = _LAYOUTS.get(pkey)
+            if pid is None:
+                pid = _LAYOUTS[pkey] = next(_LAYOUT_IDS)
+            PATTERN_OF[lid] = pid
     return lid
+
+
+#: layout id of a gapped operand -> the id of its stride pattern (shared by every raw stride of that pattern)
+PATTERN_OF: dict[int, int] = {}
 
 
 def _bind(
@@ -236,7 +252,10 @@ class FastOp:
         if tpl is MISS:
             return MISS
         if tpl is None:
-            return self._record(rt, args, kwargs, targs, tuple(key))
+            alt = self._pattern_key(key)
+            tpl = None if alt is None else self.cache.get(alt)
+            if tpl is None:
+                return self._record(rt, args, kwargs, targs, tuple(key), alt)
         _LEARNED.tpl = tpl
         n = self.dense
         if n and i >= n:
@@ -248,6 +267,18 @@ class FastOp:
             for k in tpl.const_slots:
                 inputs[k] = None
         return self._hit(rt, tpl, args, targs, inputs)
+
+    def _pattern_key(self, key: list[Any]) -> tuple[Any, ...] | None:
+        """``key`` with the layout of every gapped input replaced by its stride pattern's, for a non-view op
+        (``None``: a view, or no gapped input). A fresh result's layout depends on its inputs' strides only
+        through the comparisons the pattern keeps (``torch_dtorch/graph/strides.py``), so a template learned for
+        one raw stride serves every stride of the pattern; a view's outputs carry its input's strides, so views
+        are keyed by raw strides only."""
+        if self.view_of is not None or not PATTERN_OF:
+            return None
+        pattern = PATTERN_OF
+        alt = [pattern.get(k, k) if type(k) is int else k for k in key]
+        return tuple(alt) if alt != key else None
 
     def _lookup(self, key: list[Any], kwargs: dict[str, Any]) -> Any:
         """The cached template of ``key`` (plus ``kwargs``' constants, appended to ``key``); ``None`` when there is
@@ -319,7 +350,13 @@ class FastOp:
         return self._hit(rt, tpl, args, targs, inputs)
 
     def _record(
-        self, rt: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targs: list[Any], key: tuple[Any, ...]
+        self,
+        rt: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        targs: list[Any],
+        key: tuple[Any, ...],
+        alt: tuple[Any, ...] | None = None,
     ) -> Any:
         """Take the full path, then keep a template if the call qualifies."""
         stats["miss"] += 1
@@ -357,9 +394,16 @@ class FastOp:
             owner=self,
             targs=targs,
         )
+        if alt is not None and rule.view_of is None and _fresh_dense(outputs):
+            self.cache[alt] = tpl  # (the stride pattern's key: see _pattern_key)
         _LEARNED.tpl = tpl
         stats["recorded"] += 1
         return out
+
+
+def _fresh_dense(outputs: list[Operand]) -> bool:
+    """Every output is dense (a fresh result of gapped inputs is, by torch's stride rules: checked, not assumed)."""
+    return all(o.stride is None or is_dense(o.shape, o.stride) for o in outputs)
 
 
 _FAST: dict[Any, FastOp | None] = {}
