@@ -93,7 +93,17 @@ class _Template:
     """A learned fast-path template: ``plan`` is the :class:`FastPlan` a hit replays (built from the call's
     ``OpPlan``, the ``op_plan`` argument), with the output layouts and the slots a hit fills."""
 
-    __slots__ = ("plan", "out_layouts", "mesh", "owner", "skeleton", "operand_slots", "const_slots", "tail")
+    __slots__ = (
+        "plan",
+        "out_layouts",
+        "mesh",
+        "devices",
+        "owner",
+        "skeleton",
+        "operand_slots",
+        "const_slots",
+        "tail",
+    )
 
     def __init__(
         self,
@@ -122,6 +132,8 @@ class _Template:
         self.plan = FastPlan(rule, call, targets, out_specs, op_plan.assign, op_plan.cost, moves)
         self.out_layouts = tuple(layout_of(o) for o in outputs)
         self.mesh = mesh  # the mesh of the first tensor input (the runtime's "last mesh" after the call)
+        #: the devices of ``mesh``'s root (a plain 0-d CPU tensor argument is uploaded to each, see ``_hit_scalars``)
+        self.devices = tuple(mesh.devices)
         self.owner = owner
         # the recorded call's positional arguments: the native kernel's hits only send the tensor inputs (its key
         # holds every constant, so a hit's constants are these)
@@ -306,13 +318,9 @@ class FastOp:
         0-d tensor of its dtype, so type promotion is torch's), the hit recorded on them, and the operands freed
         after it."""
         ex = rt.executor
-        mesh = tpl.mesh
-        placements = [Replicate()] * mesh.ndim
         uploaded: list[Operand] = []
         for p, t in scalars:
-            x = ex.input((), mesh, placements, dtype=t.dtype)
-            ex.upload(x, t)
-            targs[p] = x
+            x = targs[p] = ex.upload_scalar(t, tpl.mesh, tpl.devices)
             uploaded.append(x)
         try:
             n = len(targs)
