@@ -1,5 +1,6 @@
 """Randomized eager programs for the process-mode wire: interleaved chains of small ops (most of them fast-path
-hits, so they travel as binary hit records), frees, in-place ops, ``x + x``, redistributes and fetches.
+hits, so they travel as binary hit records), frees, in-place ops, ``x + x``, 0-d CPU scalars, redistributes and
+fetches.
 
 A program is a list of steps made from a seed alone (:func:`make_program`), so the same program runs on any
 backend: :func:`run_dtorch` on a dtorch mesh (thread or process mode) and :func:`run_torch` on plain tensors. Both
@@ -31,7 +32,7 @@ UNARY: list[tuple[str, Callable[[Any], Any]]] = [
     ("sigmoid", torch.sigmoid),
     ("tanh", torch.tanh),
     ("clamp", lambda x: x.clamp(-2.0, 2.0)),
-    ("square", lambda x: x * x),  # one operand in two slots: the JSON path
+    ("square", lambda x: x * x),  # one operand in two slots: JSON in process mode, replayed by the workers
 ]
 BINARY: list[tuple[str, Callable[[Any, Any], Any]]] = [
     ("add", lambda x, y: x + y),
@@ -45,7 +46,9 @@ BINARY: list[tuple[str, Callable[[Any, Any], Any]]] = [
 def make_program(seed: int, steps: int) -> list[tuple[Any, ...]]:
     """Steps: ``("init", slot, seed, shard)``, ``("un", dst, src, k)``, ``("bin", dst, a, b, k)``,
     ``("chain", slot, k, n)`` (n repeats of one unary op: a run of hit records), ``("inplace", slot)``,
-    ``("free", slot)``, ``("move", slot, shard)`` (redistribute) and ``("fetch", slot)``."""
+    ``("free", slot)``, ``("move", slot, shard)`` (redistribute), ``("scalar", slot, v, n)`` (n steps of
+    ``tanh(x * torch.tensor(v * i)) + x``: a plain 0-d CPU tensor with a new value each time) and
+    ``("fetch", slot)``."""
     rng = random.Random(seed)
     prog: list[tuple[Any, ...]] = [
         ("init", s, rng.randrange(1 << 30), rng.random() < 0.5) for s in range(SLOTS)
@@ -68,6 +71,8 @@ def make_program(seed: int, steps: int) -> list[tuple[Any, ...]]:
             live.add(dst)
         elif r < 0.75:
             prog.append(("chain", src, rng.randrange(len(UNARY) - 1), rng.randrange(2, 40)))
+            if rng.random() < 0.25:
+                prog.append(("scalar", src, rng.choice([0.25, -0.5, 0.125]), rng.randrange(1, 6)))
         elif r < 0.8:
             prog.append(("inplace", src))
         elif r < 0.88:
@@ -106,6 +111,11 @@ def _run(
             x, fn = slots[step[1]], UNARY[step[2]][1]
             for _ in range(step[3]):
                 x = fn(x)
+            slots[step[1]] = x
+        elif kind == "scalar":
+            x = slots[step[1]]
+            for i in range(step[3]):
+                x = (x * torch.tensor(step[2] * (i + 1))).tanh() + x
             slots[step[1]] = x
         elif kind == "inplace":
             slots[step[1]].mul_(0.75).add_(0.125)

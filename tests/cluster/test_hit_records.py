@@ -12,6 +12,7 @@ import torch
 
 import torch_dtorch as dt
 from tests.cluster.random_program import make_program, run_dtorch, run_torch
+from torch_dtorch import Shard
 from torch_dtorch.cluster.runner import ClusterRunner
 from torch_dtorch.device.state import get_session
 
@@ -114,3 +115,25 @@ def test_one_device_long_chain_is_exact(process_mesh: tuple[dt.DeviceMesh, Clust
         got = x.full_tensor()
     assert torch.equal(got, x0)
     assert c.words >= 5 * 1100, c.words  # nearly every op a record (3 + 2 words), plus the frees
+
+
+@pytest.mark.slow
+def test_repeated_inputs_and_0d_scalars_replay_on_worker_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x * x`` and ``x * torch.tensor(v)`` with a new ``v`` per call replay on worker processes: a worker raises
+    once ``aten.mul.Tensor`` ran on its general path more than twice (each first call plans and runs there once)."""
+    dt.shutdown()
+    monkeypatch.setenv("DTORCH_WORKER_IMPORTS", "tests.cluster.worker_hooks")
+    monkeypatch.setenv("DTORCH_TEST_GENERAL_LIMIT", "aten.mul.Tensor:2")
+    try:
+        mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+        a = torch.randn(5, 4)
+        x = dt.distribute_tensor(a, mesh, [Shard(0)])
+        planned = get_session().executor.constructor.num_planned
+        y, want = x, a
+        for v in (0.5, 2.0, 0.25, 4.0, 1.5, -1.0):
+            y = (y * y) * torch.tensor(v)
+            want = (want * want) * torch.tensor(v)
+        assert torch.equal(dt.to_torch(y), want)
+        assert get_session().executor.constructor.num_planned - planned == 2  # the first x*x and x*t
+    finally:
+        dt.shutdown()

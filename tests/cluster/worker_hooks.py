@@ -2,7 +2,9 @@
 
 - ``DTORCH_TEST_SLOW_OP=aten.cos:1:3.0``: device 1 sleeps 3 s before every ``aten.cos`` (a long kernel);
   ``DTORCH_TEST_SLOW_AFTER=n``: only after its first ``n`` calls (fast-path hits come later);
-- ``DTORCH_TEST_FAIL_OP=aten.sigmoid:2``: ``aten.sigmoid`` raises on device 2 (a planted kernel failure).
+- ``DTORCH_TEST_FAIL_OP=aten.sigmoid:2``: ``aten.sigmoid`` raises on device 2 (a planted kernel failure);
+- ``DTORCH_TEST_GENERAL_LIMIT=aten.mul.Tensor:2``: a worker raises once it ran ``aten.mul.Tensor`` on its general
+  local path more than twice (replayed fast-path hits do not count: a test of the replay in process mode).
 """
 
 from __future__ import annotations
@@ -62,3 +64,22 @@ if _FAIL is not None:
         return call.op(*args, **kwargs)
 
     _rule._kernel = _broken  # type: ignore[method-assign]
+
+_GENERAL = _parse("DTORCH_TEST_GENERAL_LIMIT")
+
+if _GENERAL is not None:
+    _general_op, _limit = _GENERAL[0], int(_GENERAL[1])
+    _run_op = kernel_mod.OpRunner.run_op
+    _general_calls = 0
+
+    def _counted(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        global _general_calls
+        if node.name == _general_op:
+            _general_calls += 1
+            if _general_calls > _limit:
+                raise RuntimeError(
+                    f"{_general_op} took the general path {_general_calls} times (limit {_limit})"
+                )
+        return _run_op(self, node, *args, **kwargs)
+
+    kernel_mod.OpRunner.run_op = _counted  # type: ignore[method-assign]

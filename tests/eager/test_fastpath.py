@@ -95,7 +95,7 @@ def test_requires_grad_flows_on_replay() -> None:
         assert not operand_of(w + w).requires_grad
 
 
-def test_in_place_and_cpu_scalars_take_the_full_path() -> None:
+def test_in_place_ops_take_the_full_path() -> None:
     mesh = init_mesh((2,))
     a = torch.randn(4, 4)
     x = dt.distribute_tensor(a.clone(), mesh, [Shard(0)])
@@ -104,7 +104,7 @@ def test_in_place_and_cpu_scalars_take_the_full_path() -> None:
         _, delta = _stats_delta(lambda: x.add_(1.0))
         assert delta["hit"] == 0
     torch.testing.assert_close(dt.to_torch(x), a + 3.0)
-    s = torch.tensor(2.0)  # a 0-d CPU tensor: uploaded by the full path every time
+    s = torch.tensor(2.0)  # a 0-d CPU tensor (tests/eager/test_fastpath_gaps.py: its fast path)
     for _ in range(2):
         torch.testing.assert_close(dt.to_torch(x * s), (a + 3.0) * 2.0)
 

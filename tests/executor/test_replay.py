@@ -45,9 +45,30 @@ def test_resolve_a_pointwise_op() -> None:
     torch.testing.assert_close(call.run([y, x])[0], y + 2 * x)
 
 
-def test_one_operand_in_two_slots_is_not_cached() -> None:
+def test_one_operand_in_two_slots_resolves_like_two_operands() -> None:
+    """``x + x`` resolves (issue 20): the call ``x + y`` of the same plan would make, with a slot per argument."""
     a = _operand(1)
-    assert _resolve(aten.add.Tensor, (a, a), {}, [a, a]) is AMBIGUOUS
+    call = _resolve(aten.add.Tensor, (a, a), {"alpha": 3}, [a, a])
+    assert isinstance(call, LocalCall)
+    assert call.tensor_slots == ((0, 0), (1, 1))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(call.run([x, x])[0], x + 3 * x)
+    torch.testing.assert_close(call.run([x, y])[0], x + 3 * y)  # the plan's other calls, distinct operands
+
+
+def test_one_operand_in_a_list_and_a_slot() -> None:
+    """``cat([a, b, a])``: the repeated element keeps its own list position."""
+    a, b = _operand(1), _operand(2)
+    call = _resolve(aten.cat.default, ([a, b, a], 1), {}, [a, b, a])
+    assert isinstance(call, LocalCall)
+    assert call.list_slots == ((0, (0, 1, 2)),)
+    x, y, z = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(call.run([x, y, z])[0], torch.cat([x, y, z], 1))
+
+
+def test_a_repeated_operand_in_a_keyword_is_ambiguous() -> None:
+    a = _operand(1)
+    assert _resolve(aten.add.Tensor, (a,), {"other": a}, [a, a]) is AMBIGUOUS
 
 
 def test_rules_with_their_own_local_kernel_are_not_resolved() -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "fallback_mesh",
     "host_value",
     "record_factory",
+    "release_uploads",
 ]
 
 
@@ -82,6 +83,19 @@ def host_value(x: Operand) -> torch.Tensor | None:
 
 def forget(operand: Operand) -> None:
     _DEFERRED.pop(operand.id, None)
+
+
+def release_uploads(rt: Session, unbound: list[Operand], keep: list[Operand]) -> None:
+    """Drop the unbound operands a call made for its plain CPU scalars (0-d tensors, which no dtorch tensor stands
+    for) and free their bound copies after the call, unless an output views one of them (``keep``: the outputs).
+    Without this every ``x * torch.tensor(t)`` left a blob on every worker."""
+    for x in unbound:
+        deferred = _DEFERRED.pop(x.id, None)
+        if deferred is None:
+            continue
+        for y in deferred.bound.values():
+            if not any(o.base is y or o is y for o in keep):
+                rt.executor.free(y)
 
 
 def fallback_mesh(rt: Session, what: str) -> DeviceMesh:

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from torch_dtorch._tree import map_only
 from torch_dtorch.device import binding
@@ -43,8 +44,10 @@ def operand_of(t: torch.Tensor, rt: Session | None = None) -> Operand:
 
 
 def _to_operands(
-    rt: Session, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    rt: Session, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], scalars: list[Operand] | None = None
 ) -> tuple[Any, Any, list[Operand]]:
+    """``args``/``kwargs`` with operands for their tensors, and those operands. A plain 0-d tensor (a scalar on
+    the CPU) becomes an unbound upload, also appended to ``scalars``."""
     found: list[Operand] = []
 
     def conv(t: torch.Tensor) -> Operand:
@@ -52,6 +55,8 @@ def _to_operands(
             x = TABLE.lookup(t, rt.generation)
         elif t.dim() == 0:
             x = binding.defer_upload(rt, t)
+            if scalars is not None:
+                scalars.append(x)
         else:
             raise DeviceMismatchError(
                 f"{op}: expected all tensors on the dtorch device, but got a {t.device} tensor of shape "
@@ -127,8 +132,35 @@ def dispatch_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     rt = get_session()
     if op in RANDOM_OPS:
         return _random(rt, op, args, kwargs)
-    original_args, original_kwargs = args, kwargs
-    args, kwargs, operands = _to_operands(rt, op, args, kwargs)
+    original = (args, kwargs)
+    scalars: list[Operand] = []
+    args, kwargs, operands = _to_operands(rt, op, args, kwargs, scalars)
+    if not scalars:
+        return _dispatch(rt, op, args, kwargs, operands, original)
+    rule = get_rule(op)
+    if rule.writes_inputs or rule.output_is_input is not None:  # an in-place op rebinds what it writes
+        n = len(_first_list(args, kwargs)) if rule.writes_inputs else 1
+        written = {id(x) for x in operands[:n]}
+        scalars = [x for x in scalars if id(x) not in written]
+    out: Any = None
+    try:
+        out = _dispatch(rt, op, args, kwargs, operands, original)
+        return out
+    finally:  # the scalars' copies on the workers are only this call's inputs
+        outs = [TABLE.lookup(t, rt.generation) for t in pytree.tree_leaves(out) if is_dtorch(t)]
+        binding.release_uploads(rt, scalars, outs)
+
+
+def _dispatch(
+    rt: Session,
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    operands: list[Operand],
+    original: tuple[tuple[Any, ...], dict[str, Any]],
+) -> Any:
+    """:func:`dispatch_op` after the tensors became ``operands`` (``original``: the caller's args and kwargs)."""
+    original_args, original_kwargs = original
     bound = [x for x in operands if x.mesh is not None]
     if bound:
         mesh = bound[0].mesh

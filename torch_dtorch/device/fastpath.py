@@ -27,6 +27,7 @@ from torch_dtorch.executor.fast import FastPlan
 from torch_dtorch.graph import Operand
 from torch_dtorch.graph.strides import is_dense, stride_key
 from torch_dtorch.mesh import current_mesh
+from torch_dtorch.placement import Replicate
 from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
 from torch_dtorch.placement_rules.rule import add_rule_listener, number_key
@@ -36,6 +37,8 @@ __all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "native_kernel", 
 #: returned by :meth:`FastOp.__call__` when the call must take the full path
 MISS: Any = object()
 _CONST = "const"
+#: the key's tag of a plain 0-d CPU tensor argument (with its dtype; never its value)
+_SCALAR = "cpu-0d"
 
 _TEMPLATES_PER_OP = 4096
 _LAYOUTS: dict[tuple[Any, ...], int] = {}
@@ -106,7 +109,17 @@ class _Template:
     """A learned fast-path template: ``plan`` is the :class:`FastPlan` a hit replays (built from the call's
     ``OpPlan``, the ``op_plan`` argument), with the output layouts and the slots a hit fills."""
 
-    __slots__ = ("plan", "out_layouts", "mesh", "owner", "skeleton", "operand_slots", "const_slots", "tail")
+    __slots__ = (
+        "plan",
+        "out_layouts",
+        "mesh",
+        "devices",
+        "owner",
+        "skeleton",
+        "operand_slots",
+        "const_slots",
+        "tail",
+    )
 
     def __init__(
         self,
@@ -135,6 +148,8 @@ class _Template:
         self.plan = FastPlan(rule, call, targets, out_specs, op_plan.assign, op_plan.cost, moves)
         self.out_layouts = tuple(layout_of(o) for o in outputs)
         self.mesh = mesh  # the mesh of the first tensor input (the runtime's "last mesh" after the call)
+        #: the devices of ``mesh``'s root (a plain 0-d CPU tensor argument is uploaded to each, see ``_hit_scalars``)
+        self.devices = tuple(mesh.devices)
         self.owner = owner
         # the recorded call's positional arguments: the native kernel's hits only send the tensor inputs (its key
         # holds every constant, so a hit's constants are these)
@@ -208,11 +223,22 @@ class FastOp:
         targs = list(args)
         first: Operand | None = None
         unbound: list[tuple[int, int, Operand]] | None = None
+        scalars: list[tuple[int, Tensor]] | None = None
         i = 0
         for a in args:
             if isinstance(a, Tensor):
                 e = entry(a)
-                if e is None or e.generation != gen or a.shape != e.shape:
+                if e is None:
+                    # a plain 0-d CPU tensor (a timestep, a scale): keyed by its dtype, its value uploaded per call
+                    if a.device.type != "cpu" or a.dim() != 0 or a.requires_grad:
+                        return MISS
+                    if scalars is None:
+                        scalars = []
+                    scalars.append((i, a))
+                    key.append((_SCALAR, a.dtype))
+                    i += 1
+                    continue
+                if e.generation != gen or a.shape != e.shape:
                     return MISS
                 x = e.operand
                 if (
@@ -256,6 +282,8 @@ class FastOp:
             tpl = None if alt is None else self.cache.get(alt)
             if tpl is None:
                 return self._record(rt, args, kwargs, targs, tuple(key), alt)
+        if scalars is not None:
+            return self._hit_scalars(rt, tpl, args, targs, scalars)
         _LEARNED.tpl = tpl
         n = self.dense
         if n and i >= n:
@@ -307,6 +335,33 @@ class FastOp:
             return wrap(outs[0], gen, on_free, tpl.out_layouts[0])
         res = [wrap(o, gen, on_free, lay) for o, lay in zip(outs, tpl.out_layouts, strict=True)]
         return res if self.kind == "list" else tuple(res)
+
+    def _hit_scalars(
+        self,
+        rt: Any,
+        tpl: _Template,
+        args: tuple[Any, ...],
+        targs: list[Any],
+        scalars: list[tuple[int, Tensor]],
+    ) -> Any:
+        """A hit whose call has plain 0-d CPU tensors at ``scalars`` (``(position, tensor)``): each is uploaded as
+        a Replicate operand on the template's mesh (its value is no part of the key; the workers compute with a
+        0-d tensor of its dtype, so type promotion is torch's), the hit recorded on them, and the operands freed
+        after it."""
+        ex = rt.executor
+        uploaded: list[Operand] = []
+        for p, t in scalars:
+            x = targs[p] = ex.upload_scalar(t, tpl.mesh, tpl.devices)
+            uploaded.append(x)
+        try:
+            n = len(targs)
+            inputs = [targs[p] if p < n else None for p in self.slot_pos]
+            for k in tpl.const_slots:
+                inputs[k] = None
+            return self._hit(rt, tpl, args, targs, inputs)
+        finally:
+            for x in uploaded:
+                ex.free(x)
 
     def _call_list(self, rt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """:meth:`__call__` of an op whose one tensor argument is a list: the key holds every element's layout;
@@ -374,6 +429,13 @@ class FastOp:
             expected = list(targs[self.list_pos])
         else:
             expected = [targs[p] if p < n and isinstance(targs[p], Operand) else None for p in self.slot_pos]
+            if len(expected) == len(call.inputs):
+                for k, p in enumerate(self.slot_pos):
+                    if p < n and isinstance(targs[p], Tensor):  # a plain 0-d CPU tensor: its upload
+                        x = call.inputs[k]
+                        if not _is_scalar_upload(x, targs[p]):
+                            return out
+                        targs[p] = expected[k] = x
         if len(expected) != len(call.inputs) or any(
             a is not b for a, b in zip(expected, call.inputs, strict=True)
         ):
@@ -404,6 +466,17 @@ class FastOp:
 def _fresh_dense(outputs: list[Operand]) -> bool:
     """Every output is dense (a fresh result of gapped inputs is, by torch's stride rules: checked, not assumed)."""
     return all(o.stride is None or is_dense(o.shape, o.stride) for o in outputs)
+
+
+def _is_scalar_upload(x: Operand | None, t: Tensor) -> bool:
+    """``x`` is what the full path made of the plain 0-d tensor ``t``: a Replicate 0-d operand of its dtype."""
+    return (
+        x is not None
+        and x.mesh is not None
+        and x.shape == ()
+        and x.dtype == t.dtype
+        and all(type(p) is Replicate for p in x.placements)
+    )
 
 
 _FAST: dict[Any, FastOp | None] = {}

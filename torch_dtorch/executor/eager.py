@@ -223,6 +223,22 @@ class EagerGraphExecutor:
         shards = distribute(value.detach(), root.shape, operand.root_placements, gen=None)
         self._upload({d: shards[c] for d, c in root.coordinates()}, operand)
 
+    def upload_scalar(self, value: torch.Tensor, mesh: DeviceMesh, devices: Sequence[int]) -> Operand:
+        """A new Replicate 0-d operand on ``mesh`` (whose root has ``devices``) holding the plain 0-d tensor
+        ``value`` (no grad: a per-call scalar of the fast path, freed by the caller after its op): one copy of
+        ``value`` in every device's store entry (the workers only read it), one ``Upload``, no memory-guard
+        accounting (a few bytes)."""
+        v = value.clone()  # (the caller may write ``value`` before the workers read it)
+        with self._lock:
+            self._check_open()
+            x = self.constructor.input((), mesh, [Replicate()] * mesh.ndim, dtype=v.dtype)
+            key = next(self._keys)
+            put = self.runner.store.put
+            for d in devices:
+                put((key, d), v)
+            self._append(Upload(x, key))
+        return x
+
     def upload_shards(self, operand: Operand, shards: Mapping[int, torch.Tensor]) -> None:
         """Give ``operand`` one local tensor per device of its mesh (``from_local``); shapes and dtype are checked."""
         root = _root(operand, "upload_shards")

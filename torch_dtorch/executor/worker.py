@@ -197,6 +197,9 @@ class Worker:
                 elif t is Free and len(chain):
                     chain.free(instr.operand_ids)  # type: ignore[union-attr]
                     continue
+                elif t is Upload:  # a new operand the chain neither makes nor reads yet: no need to flush it
+                    self.execute(instr)
+                    continue
                 if len(chain):
                     chain.flush()
                 self.execute(instr)

@@ -9,12 +9,18 @@ positions — ``localize`` depends only on what the plan fixes (layouts, shapes,
 positions of the tensor slots — and :meth:`LocalCall.run` replays it on the worker's blobs: no ``Operator``, no
 ``LocalContext``, no localize, no argument walk.
 
+An operand in several slots (``x * x``, ``mm(a, a)``) is resolved as the plan's calls on distinct operands of the
+same layouts are (``x * y``: one plan serves both), with a stand-in operand per repeated slot (:func:`_distinct`);
+the replay puts the same shard in each of its slots.
+
 A call that cannot be resolved (custom kernels, kernels that communicate) is ``None``: the worker runs it on the
 general path, as before.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -57,6 +63,55 @@ class LocalCall(NamedTuple):
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
+def _distinct(call: OpCall) -> OpCall | None:
+    """``call`` with one operand per tensor slot: an operand named by several slots (``x * x``, ``mm(a, a)``,
+    ``cat([x, x])``) keeps its first slot and gets a stand-in (a copy of its metadata) in every later one, so that
+    :func:`resolve` can tell from the localized arguments which slot each argument is. The call is the one a plan's
+    other calls make with distinct operands of the same layouts (``x * y``): its resolved call serves both.
+
+    The ``j``-th occurrence of an operand in the positional arguments (``Tensor[]`` elements in order) is its
+    ``j``-th slot: a call's inputs are its tensor arguments in schema order (``OpCall.inputs``). ``None`` when a
+    repeated operand also sits in a keyword argument (no order to go by)."""
+    slots: dict[int, list[int]] = {}
+    for k, x in enumerate(call.inputs):
+        if x is not None:
+            slots.setdefault(id(x), []).append(k)
+    repeated = {i for i, ks in slots.items() if len(ks) > 1}
+    for v in call.kwargs.values():
+        vs = v if type(v) in (list, tuple) else (v,)
+        if any(type(e) is Operand and id(e) in repeated for e in vs):
+            return None
+    inputs = list(call.inputs)
+    seen: dict[int, int] = {}
+
+    def stand_in(x: Any) -> Any:
+        if type(x) is not Operand or id(x) not in repeated:
+            return x
+        j = seen[id(x)] = seen.get(id(x), -1) + 1
+        ks = slots[id(x)]
+        if j >= len(ks):
+            raise _Unmatched
+        if j == 0:
+            return x
+        y = copy.copy(x)
+        inputs[ks[j]] = y
+        return y
+
+    try:
+        args = tuple(
+            type(a)(stand_in(e) for e in a) if type(a) in (list, tuple) else stand_in(a) for a in call.args
+        )
+    except _Unmatched:
+        return None
+    if any(seen.get(i, -1) + 1 != len(slots[i]) for i in repeated):
+        return None  # an input the positional arguments do not name once per slot
+    return dataclasses.replace(call, args=args, inputs=inputs, _bound=None)
+
+
+class _Unmatched(Exception):
+    """An operand named by more positional arguments than it has slots."""
+
+
 def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False) -> LocalCall | None:
     """The :class:`LocalCall` of ``call`` on the rank ``ctx`` describes: the rule's localized arguments (operands in
     place) with the shards of the inputs put in their slots. ``None`` when the general local path is needed for every
@@ -65,6 +120,13 @@ def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False)
     op, inputs = call.op, call.inputs
     if not rule.runs_op_as_is(call, ctx):
         return None
+    given = [x for x in inputs if x is not None]
+    if len({id(x) for x in given}) != len(given):
+        distinct = _distinct(call)
+        if distinct is None:
+            return AMBIGUOUS
+        call = distinct
+        inputs = call.inputs
     args, kwargs = rule.localize(call, ctx)
     if ctx.torch_device is not None and kwargs.get("device") is None and takes_device(op):
         kwargs = {**kwargs, "device": ctx.torch_device}  # as ``run_rank`` does: this worker's device, fixed
@@ -73,10 +135,6 @@ def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False)
         if t is Operand or t is dict or (t in (list, tuple) and any(type(e) in _NESTED for e in v)):
             return None
     slot_of = {id(x): k for k, x in enumerate(inputs) if x is not None}
-    if len(slot_of) != sum(x is not None for x in inputs):
-        return (
-            AMBIGUOUS  # one operand in two slots (``x + x``): which slot an argument is cannot be told apart
-        )
     slots: list[tuple[int, int]] = []
     list_slots: list[tuple[int, tuple[int, ...]]] = []
     template: list[Any] = []
