@@ -67,3 +67,19 @@ def test_cuda_upload_from_the_controller_stream() -> None:
             assert lo == hi == 2.0 * k + 1, (k, lo, hi)
     finally:
         dt.shutdown()
+
+
+def test_thread_mode_collectives_are_stream_ordered_on_one_gpu() -> None:
+    """Every rank of a simulated thread-mode mesh lives on cuda:0, so the in-memory collectives are ordered by events
+    on the workers' streams and no redistribute synchronizes the host; the values stay right (the tests above)."""
+    from torch_dtorch.device.state import get_session
+
+    mesh = dt.init_device_mesh("cuda", (2,), mode="thread", simulate=True)
+    try:
+        runner = get_session().executor.runner
+        assert all(w.op_runner.host_sync_collectives is False for w in runner.workers.values())
+        a = torch.randn(64, 32)
+        y = dt.distribute_tensor(a, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]) * 2
+        torch.testing.assert_close(y.full_tensor().cpu(), a * 2)
+    finally:
+        dt.shutdown()

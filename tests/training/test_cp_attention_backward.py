@@ -152,19 +152,23 @@ def test_loss_backward_through_sdpa_is_context_parallel(sizes, names, causal: bo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("names", [("cp",), ("ulysses",)], ids=str)
 def test_cuda_simulated_mesh_backward(names) -> None:
-    """The same on a simulated 2-device CUDA mesh (every rank on cuda:0), bf16 and float32."""
+    """The same on a simulated 2-device CUDA mesh (every rank on cuda:0), bf16 and float32. The reference runs on
+    the CPU in float64 on the same (dtype-rounded) inputs: a plain-CUDA backward in a process that imported
+    torch_dtorch hits torch's accelerator conflict (docs/training.md, AcceleratorConflictError)."""
     import torch.nn.functional as F
 
     import torch_dtorch as dt
 
     mesh = dt.init_device_mesh("cuda", (2,), mesh_dim_names=names, simulate=True)
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         q, k, v, w = (t.to("cuda", dtype) for t in _inputs(2, 4, 64, 32, seed=5))
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        (F.scaled_dot_product_attention(*leaves, is_causal=True).float() * w.float()).sum().backward()
+        leaves = [t.cpu().double().requires_grad_() for t in (q, k, v)]
+        (F.scaled_dot_product_attention(*leaves, is_causal=True) * w.cpu().double()).sum().backward()
         d = [dt.distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*d, is_causal=True)
         (out.float() * dt.distribute_tensor(w, mesh, [Shard(2)]).float()).sum().backward()
         for got, want in zip(d, leaves, strict=True):
             assert got.grad is not None and tuple(got.grad.placements) == (Shard(2),)
-            torch.testing.assert_close(got.grad.full_tensor().float(), want.grad.float(), atol=tol, rtol=tol)
+            torch.testing.assert_close(
+                got.grad.full_tensor().cpu().double(), want.grad, atol=tol, rtol=tol
+            )

@@ -351,16 +351,25 @@ class InMemoryComm:
     """Device ``device``'s :class:`~torch_dtorch.collectives.group.Comm` over an :class:`InMemoryWorld`.
 
     ``torch_device``, when given, is where received tensors are moved (distinct GPUs in one process); by default
-    they stay where the sender had them.
+    they stay where the sender had them. ``stream_ordered`` (read by
+    :class:`~torch_dtorch.runtime.op_runner.OpRunner`): every member's tensors live on one CUDA device (virtual ranks),
+    where the arrival/done events of :mod:`.streams` order the collectives against the callers' streams, so workers
+    need no host synchronization around them; across distinct GPUs they still do.
     """
 
     def __init__(
-        self, world: InMemoryWorld, device: int, *, torch_device: torch.device | None = None
+        self,
+        world: InMemoryWorld,
+        device: int,
+        *,
+        torch_device: torch.device | None = None,
+        stream_ordered: bool = False,
     ) -> None:
         world._check_device(device, "InMemoryComm")
         self.world = world
         self._device = device
         self.torch_device = torch_device
+        self.stream_ordered = stream_ordered
         self._handles: dict[tuple[int, ...], Group] = {}
 
     @property

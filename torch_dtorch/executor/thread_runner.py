@@ -60,6 +60,7 @@ class ThreadRunner:
         self.board = PoisonBoard()
         self.streams: dict[int, KernelStream] = {}
         self.workers: dict[int, Worker] = {}
+        one_gpu = device_type == "cuda" and len(set(self.torch_devices.values())) == 1
         for d in self.devices:
             stream = KernelStream(self.torch_devices[d], name=f"dtorch-worker-{d}")
             self.streams[d] = stream
@@ -67,7 +68,10 @@ class ThreadRunner:
                 d,
                 self.torch_devices[d],
                 InMemoryComm(
-                    self.world, d, torch_device=self.torch_devices[d] if device_type == "cuda" else None
+                    self.world,
+                    d,
+                    torch_device=self.torch_devices[d] if device_type == "cuda" else None,
+                    stream_ordered=one_gpu,
                 ),
                 self.store,
                 stream=stream,
