@@ -169,6 +169,4 @@ def test_cuda_simulated_mesh_backward(names) -> None:
         (out.float() * dt.distribute_tensor(w, mesh, [Shard(2)]).float()).sum().backward()
         for got, want in zip(d, leaves, strict=True):
             assert got.grad is not None and tuple(got.grad.placements) == (Shard(2),)
-            torch.testing.assert_close(
-                got.grad.full_tensor().cpu().double(), want.grad, atol=tol, rtol=tol
-            )
+            torch.testing.assert_close(got.grad.full_tensor().cpu().double(), want.grad, atol=tol, rtol=tol)
