@@ -106,7 +106,7 @@ class EagerGraphExecutor:
         self._timer = threading.Thread(target=self._timer_loop, name="dtorch-flush-timer", daemon=True)
         self._timer.start()
         self._resolver = ValueResolver(self)
-        self.constructor.memory = memory_guard_for(runner, idle=self._workers_idle)
+        self.constructor.memory = memory_guard_for(runner, idle=self._workers_idle, settle=self.sync)
         #: the recording of planned calls (the fast path's hits, replays of known plans): its entry points are bound
         #: here as attributes, so a hit costs one call
         self.planned = PlannedRecorder(self)

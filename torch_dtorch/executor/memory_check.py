@@ -15,7 +15,10 @@ What is checked (on the planning path: every call the eager fast path has not ca
 * the need is the sum over the pool's devices of each one's local shard bytes, plus the bytes already planned
   since the workers were last seen idle (they may not be allocated yet: a running estimate, lowered when those
   tensors die), against the free figure less a safety margin: ``DTORCH_MEMORY_MARGIN`` (a fraction of the free
-  memory kept back, default ``0.1``).
+  memory kept back, default ``0.1``). Those planned bytes may already be allocated (and then counted twice: the
+  workers are busy with the earlier work, so never seen idle), so where a call does not fit while bytes are planned,
+  the check **settles** first -- flushes, frees the dead tensors, waits for the workers -- and fails only if a fresh
+  figure does not allow it either (a stream of weight uploads to a busy GPU raised falsely before, 2026-12-06).
 
 Fast-path hits (a call the eager fast path replays) are checked too, cheaply: the plan knows its new bytes per pool
 (outputs that are not views, redistributed input copies), worked out at its first hit; each hit adds them to the
@@ -178,6 +181,9 @@ class MemoryGuard:
         pools: the memory pools of the runner's devices.
         margin: fraction of a pool's free memory kept back (default ``DTORCH_MEMORY_MARGIN``).
         idle: whether the workers ran everything sent so far (then nothing planned is still unallocated).
+        settle: flush, free the dead tensors and wait until the workers ran everything (the executor's ``sync``):
+            where :meth:`check` finds too little room while bytes are planned but maybe not yet allocated, it
+            settles, so the free figure is the whole truth, and checks once more before it fails.
     """
 
     def __init__(
@@ -186,10 +192,12 @@ class MemoryGuard:
         *,
         margin: float | None = None,
         idle: Callable[[], bool] | None = None,
+        settle: Callable[[], None] | None = None,
     ) -> None:
         self.pools = tuple(pools)
         self.margin = _env_margin() if margin is None else margin
         self._idle = idle
+        self._settle = settle
         self._pool_of = {d: i for i, p in enumerate(self.pools) for d in p.devices}
         #: per pool, bytes planned since the free figure last showed them (a fast-path hit adds to it inline:
         #: ``EagerGraphExecutor.record_fast``; the list is only ever changed in place)
@@ -222,27 +230,52 @@ class MemoryGuard:
                 if i is not None:
                     need[i] += n
         with self._lock:
-            now = time.monotonic()
-            refreshed = False
-            for i, pool in enumerate(self.pools):
-                if not need[i]:
-                    continue
-                free, at = self._last_free[i]
-                # a small allocation next to a recent figure needs no new one (reading one costs ~15 us)
-                if free is None or now - at > _FIGURE_TTL_S or need[i] + self.planned_bytes[i] > free / 4:
-                    if not refreshed:
-                        self._refresh()
-                        refreshed = True
-                    free = pool.free()
-                    self._last_free[i] = (free, now)
-                    self.budget[i] = math.inf if free is None else free * (1.0 - self.margin)
-                if free is None:
-                    continue
-                allowed = free * (1.0 - self.margin) - self.planned_bytes[i]
-                if need[i] > allowed:
-                    raise self._error(what, items, pool, need[i], free, self.planned_bytes[i])
+            short = self._short(need)
+            if short is None:
+                for i, n in enumerate(need):
+                    self.planned_bytes[i] += n
+                return
+            i, free = short
+            if self._settle is None or need[i] > free * (1.0 - self.margin):  # settling would not make room
+                raise self._error(what, items, self.pools[i], need[i], free, self.planned_bytes[i])
+        # Bytes planned since the workers were last seen idle may be allocated already, and then the free figure
+        # counts them twice: settle (outside the lock: the executor's sync frees dead tensors through it), so
+        # nothing planned is unallocated, and look again.
+        self._settle()
+        with self._lock:
+            self.settles += 1
+            self.planned_bytes[:] = [0] * len(self.pools)
+            self._sizes.clear()
+            self._last_free = [(None, 0.0)] * len(self.pools)
+            short = self._short(need)
+            if short is not None:
+                i, free = short
+                raise self._error(what, items, self.pools[i], need[i], free, self.planned_bytes[i])
             for i, n in enumerate(need):
                 self.planned_bytes[i] += n
+
+    def _short(self, need: list[int]) -> tuple[int, int] | None:
+        """The first pool (and its free bytes) where ``need`` does not fit next to the planned bytes; ``None``
+        where it fits everywhere (callers hold the lock)."""
+        now = time.monotonic()
+        refreshed = False
+        for i, pool in enumerate(self.pools):
+            if not need[i]:
+                continue
+            free, at = self._last_free[i]
+            # a small allocation next to a recent figure needs no new one (reading one costs ~15 us)
+            if free is None or now - at > _FIGURE_TTL_S or need[i] + self.planned_bytes[i] > free / 4:
+                if not refreshed:
+                    self._refresh()
+                    refreshed = True
+                free = pool.free()
+                self._last_free[i] = (free, now)
+                self.budget[i] = math.inf if free is None else free * (1.0 - self.margin)
+            if free is None:
+                continue
+            if need[i] > free * (1.0 - self.margin) - self.planned_bytes[i]:
+                return i, free
+        return None
 
     # --- fast-path hits (see the module docstring) ----------------------------------------------------------
     def plan_bytes(self, plan: Any, inputs: Sequence[Operand | None]) -> HitBytes:
@@ -419,7 +452,12 @@ def _cuda_free(index: int) -> Callable[[], int | None]:
     return free
 
 
-def memory_guard_for(runner: Any, *, idle: Callable[[], bool] | None = None) -> MemoryGuard | None:
+def memory_guard_for(
+    runner: Any,
+    *,
+    idle: Callable[[], bool] | None = None,
+    settle: Callable[[], None] | None = None,
+) -> MemoryGuard | None:
     """The guard of ``runner``'s devices (``None`` when the check is off or the runner is unknown)."""
     if not check_enabled():
         return None
@@ -439,4 +477,4 @@ def memory_guard_for(runner: Any, *, idle: Callable[[], bool] | None = None) -> 
             for d in devices:
                 by_gpu.setdefault(int(torch_devices[d].index or 0), []).append(d)
             pools = [MemoryPool(f"cuda:{i}", tuple(ds), _cuda_free(i)) for i, ds in sorted(by_gpu.items())]
-    return MemoryGuard(pools, idle=idle)
+    return MemoryGuard(pools, idle=idle, settle=settle)

@@ -1,0 +1,102 @@
+"""The memory pre-check of planned calls and uploads settles before it fails (found on an H100, 2026-12-06).
+
+Bytes planned since the workers were last seen idle may be allocated by the time the check reads a free figure,
+and then they count twice. Uploading a FLUX.1-dev transformer's weights while a GPU worker was busy raised a false
+``DeviceMemoryError`` ("72 MiB + 16.12 GiB planned and not yet allocated, 17.97 GiB free") although everything fit:
+the check now settles (flushes, frees the dead, waits for the workers) and looks again, failing only then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import torch_dtorch as dt
+from torch_dtorch import Replicate, Shard
+from torch_dtorch.errors import DeviceMemoryError
+from torch_dtorch.executor.memory_check import MemoryGuard, MemoryPool
+
+_BLOCK = 32 * 1024  # bytes of one float32[64, 128] Replicate upload per device
+
+
+def _live_bytes() -> int:
+    runner = dt.device.state.get_session().executor.runner
+    seen: dict[int, int] = {}
+    for w in runner.workers.values():
+        for b in list(w.blobs.values()):
+            if b.tensor is not None:
+                st = b.tensor.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+@pytest.fixture
+def busy_pool() -> Iterator[tuple[MemoryGuard, dt.DeviceMesh, int]]:
+    """A 2-device mesh whose fake pool has room for 10 more uploads than it holds now, and whose workers never
+    look idle to the check (a GPU worker busy with earlier work), so planned bytes are never forgotten early."""
+    mesh = dt.init_device_mesh("cpu", (2,))
+    dt.sync()
+    ex = dt.device.state.get_session().executor
+    limit = _live_bytes() + 10 * 2 * _BLOCK
+    guard = MemoryGuard(
+        [MemoryPool("fake RAM", tuple(mesh.devices), lambda: limit - _live_bytes())],
+        margin=0.0,
+        idle=lambda: False,
+        settle=ex.sync,
+    )
+    old = ex.constructor.memory
+    ex.constructor.memory = guard
+    try:
+        yield guard, mesh, 10
+    finally:
+        ex.constructor.memory = old
+
+
+def test_the_executor_guard_settles_through_sync() -> None:
+    dt.init_device_mesh("cpu", (2,))
+    ex = dt.device.state.get_session().executor
+    guard = ex.constructor.memory
+    assert guard is not None and guard._settle == ex.sync
+
+
+def test_uploads_that_fit_do_not_fail_while_the_workers_are_busy(
+    busy_pool: tuple[MemoryGuard, dt.DeviceMesh, int],
+) -> None:
+    guard, mesh, room = busy_pool
+    kept = []
+    for k in range(room):  # every upload fits; without settling, the planned bytes double-count the live ones
+        t = torch.full((64, 128), float(k))
+        kept.append((dt.distribute_tensor(t, mesh, [Replicate()]), t))
+        dt.sync()  # the workers allocate it: the free figure shows it while it is still counted as planned
+    assert guard.settles >= 1
+    for x, t in kept:
+        torch.testing.assert_close(dt.to_torch(x), t)
+
+
+def test_uploads_that_do_not_fit_still_fail_and_lose_nothing(
+    busy_pool: tuple[MemoryGuard, dt.DeviceMesh, int],
+) -> None:
+    guard, mesh, room = busy_pool
+    kept = [dt.distribute_tensor(torch.full((64, 128), float(k)), mesh, [Replicate()]) for k in range(room)]
+    with pytest.raises(DeviceMemoryError, match=r"upload: not enough memory on fake RAM"):
+        dt.distribute_tensor(torch.zeros(64, 128), mesh, [Replicate()])
+    for k, x in enumerate(kept):
+        assert float(dt.to_torch(x)[0, 0]) == float(k)
+
+
+def test_planned_outputs_that_fit_do_not_fail_while_the_workers_are_busy(
+    busy_pool: tuple[MemoryGuard, dt.DeviceMesh, int],
+) -> None:
+    """The same on the planning path: a new shape every call (planned in full), outputs kept."""
+    guard, mesh, room = busy_pool
+    a = torch.randn(64, 128)
+    x = dt.distribute_tensor(a, mesh, [Replicate()])  # one upload's bytes of the room
+    outs = []
+    for k in range(room - 1):  # 9 outputs of a little under one upload's bytes each: they fit
+        outs.append((x[:, : 128 - k] * 2.0, k))  # [64, 128 - k]: a new shape each call, planned in full
+        dt.sync()
+    assert guard.settles >= 1
+    for y, k in outs:
+        torch.testing.assert_close(dt.to_torch(y), a[:, : 128 - k] * 2.0)
