@@ -83,3 +83,36 @@ def test_thread_mode_collectives_are_stream_ordered_on_one_gpu() -> None:
         torch.testing.assert_close(y.full_tensor().cpu(), a * 2)
     finally:
         dt.shutdown()
+
+
+def test_a_one_element_upload_does_not_drain_the_stream() -> None:
+    """A per-step 0-d scalar (a scheduler's sigma) uploaded to a busy worker: a blocking copy from pageable memory
+    would synchronize the compute stream first (the GPU drains, the worker waits); KernelStream.upload writes it with
+    a fill kernel that queues behind the work. The values are exact for every dtype (NaN sign included)."""
+    import time
+
+    from torch_dtorch.runtime.stream import COMPUTE, KernelStream
+
+    ks = KernelStream(torch.device("cuda", 0), name="test-upload")
+    with ks.use(COMPUTE):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued on the compute stream
+    t0 = time.perf_counter()
+    got = ks.upload(torch.tensor(0.25), COMPUTE)
+    took = time.perf_counter() - t0
+    assert took < 0.2, f"the upload waited {took:.2f} s for the stream"
+    ks.synchronize()
+    assert got.item() == 0.25 and got.device.type == "cuda"
+    for v in (
+        torch.tensor(3, dtype=torch.int64),
+        torch.tensor(True),
+        torch.tensor(-float("nan")),
+        torch.tensor(1.5 - 2j),
+        torch.tensor([7.0], dtype=torch.bfloat16),
+        torch.tensor(2**53 + 1, dtype=torch.int64),
+    ):
+        with ks.use(COMPUTE):
+            u = ks.upload(v, COMPUTE)
+        ks.synchronize()
+        assert u.dtype == v.dtype and u.shape == v.shape
+        bits = (lambda t: t.reshape(-1).view(torch.uint8)) if v.is_floating_point() else (lambda t: t)
+        assert torch.equal(bits(u.cpu()), bits(v)), (v, u)

@@ -423,8 +423,7 @@ class Worker:
                     # compute stream uses memory another stream allocated (rule 3 of runtime/stream.py)
                     value = self.stream.adopt(value, COMPUTE)
                 else:
-                    with self.stream.use(COMPUTE):
-                        value = value.to(self.torch_device)
+                    value = self.stream.upload(value, COMPUTE)
             elif value.device != self.torch_device:
                 value = value.to(self.torch_device)
             if self.op_runner.validate:

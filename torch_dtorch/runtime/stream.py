@@ -180,6 +180,16 @@ class KernelStream:
             self._record_stream(tensor, kind)
         return tensor
 
+    def upload(self, value: torch.Tensor, kind: str) -> torch.Tensor:
+        """``value``, a host tensor, on this stream's device, written on ``kind``. A blocking copy from pageable
+        memory synchronizes the stream first: the GPU drains and the worker waits for it, so the work queued behind
+        no longer overlaps the issue. A one-element value (a scheduler's per-step sigma, a 0-d timestep) is written
+        by a fill kernel instead, which queues like any kernel; larger ones are copied."""
+        with self.use(kind):
+            if value.numel() == 1 and value.device.type == "cpu" and self.is_cuda:
+                return torch.full(value.shape, value.item(), dtype=value.dtype, device=self.torch_device)
+            return value.to(self.torch_device)
+
     def zeros(self, shape: Sequence[int], dtype: torch.dtype, kind: str) -> torch.Tensor:
         """Zeros allocated and written on stream ``kind`` (rule 4)."""
         with self.use(kind):
