@@ -29,6 +29,7 @@ import argparse
 import gc
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump", default=None, metavar="DIR", help="write each side's generated code here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # InductorCapture turns the caches off so every compile generates its code; dynamo says so at each compile
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     if len(args.layers) % 2:
         parser.error("--layers takes pairs: DOUBLE SINGLE [DOUBLE SINGLE ...]")
     if args.device == "cuda" and not torch.cuda.is_available():
