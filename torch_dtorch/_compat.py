@@ -173,16 +173,54 @@ def core_decompositions(ops: Sequence[Any]) -> dict[Any, Any]:
     return dict(get_decompositions(list(ops)))
 
 
-def inductor_compile(gm: Any, example_inputs: Sequence[Any], *, mode: str | None = None) -> Any:
-    """Compile an aten-level FX graph with inductor; returns a callable taking the inputs positionally."""
-    from torch._inductor.compile_fx import compile_fx
+def inductor_compile(
+    gm: Any,
+    example_inputs: Sequence[Any],
+    *,
+    mode: str | None = None,
+    static_input_idxs: Sequence[int] | None = None,
+) -> Any:
+    """Compile an aten-level FX graph with inductor; returns a callable taking the inputs positionally.
+
+    ``static_input_idxs``: the inputs whose tensors stay the same from call to call (parameters, buffers), as
+    dynamo tells inductor for a module's parameters. ``compile_fx`` called on a graph dynamo did not make treats
+    no input as static, so each call would check every input's alignment (and copy a misaligned one), and CUDA
+    graphs would copy every weight into their memory pool at every replay. They reach inductor's inner compile
+    only while aot_autograd keeps the inputs as given (same count: no duplicate folded away).
+
+    The graph is compiled as an inference graph whatever the calling thread's grad mode: its autograd is the outer
+    aot_autograd's (dtorch's capture). A fresh thread (a worker's, or the plain-input path's compile thread) starts
+    with grad enabled, and with inputs that require grad (a module's parameters) inductor then traced a joint
+    graph: a forward that also returned the activations a backward would save (more ops, more buffers per call)."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     config_patches: dict[str, Any] = {}
     if mode == "reduce-overhead":
         config_patches["triton.cudagraphs"] = True
         _ensure_cudagraph_tls()
-    compiled = compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
-    return compiled
+    inner: Any = compile_fx_inner
+    if static_input_idxs:
+        count = len(example_inputs)
+        static = sorted(set(static_input_idxs))
+
+        def inner(gm: Any, inputs: Sequence[Any], **kwargs: Any) -> Any:
+            if len(inputs) == count and not kwargs.get("static_input_idxs"):
+                kwargs["static_input_idxs"] = static
+            return compile_fx_inner(gm, inputs, **kwargs)
+
+    with torch.no_grad():
+        return compile_fx(
+            gm, list(example_inputs), inner_compile=inner, config_patches=config_patches or None
+        )
+
+
+def static_input_indices(num_inputs: int) -> tuple[int, ...]:
+    """The inputs of the graph being compiled now (called inside a backend's ``fw_compiler``) that aot_autograd
+    marks static: parameters and buffers dynamo lifted (``fw_metadata.static_input_indices``); ``()`` outside one."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    idxs = getattr(meta, "static_input_indices", None) or ()
+    return tuple(sorted({int(i) for i in idxs if 0 <= int(i) < num_inputs}))
 
 
 def _ensure_cudagraph_tls() -> None:

@@ -318,6 +318,8 @@ def test_load_program_codec_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     decoded = BatchDecoder().decode(BatchEncoder().encode([load, run]))
     assert isinstance(decoded[0], LoadProgram) and decoded[0].programs == {} and decoded[0].source is not None
     assert decoded[1] == run
+    # the six parameters are static inputs of the workers' inductor compiles (as plain torch.compile's are)
+    assert len(load.static_inputs) == 6 and decoded[0].static_inputs == load.static_inputs
     for d in (0, 1):
         assert str(build_local_program(decoded[0].source, d)) == str(load.programs[d])
 

@@ -114,10 +114,15 @@ class CompiledGraph:
         debug: bool = False,
         records: GradPlacements | None = None,
         grad_targets: GradPlacements | None = None,
+        static_inputs: Sequence[int] = (),
     ) -> None:
         """``records`` (a training forward graph): told the variant of every call; ``grad_targets`` (its backward
-        graph): asked where each output (a gradient) must end (:mod:`~torch_dtorch.backend.place_grad`)."""
+        graph): asked where each output (a gradient) must end (:mod:`~torch_dtorch.backend.place_grad`);
+        ``static_inputs``: the inputs that are the same tensors at every call (parameters and buffers, as aot_autograd
+        marks them: :func:`~torch_dtorch._compat.static_input_indices`), which the workers' inductor treats as static
+        like plain ``torch.compile`` does."""
         self.gm = gm
+        self.static_inputs = tuple(static_inputs)
         self.records = records
         self.grad_targets = grad_targets
         self.options = options
@@ -293,6 +298,11 @@ class CompiledGraph:
                 constants.append(wrap(rt, c))
                 constant_ids.append(c.id)
             pid = next(_PROGRAM_IDS)
+            # parameters, buffers and the graph constants uploaded above keep their tensors from call to call
+            static = (
+                *(i for i in self.static_inputs if i < first_constant),
+                *range(first_constant, len(prop.inputs)),
+            )
             _submit(
                 ex,
                 LoadProgram(
@@ -301,6 +311,7 @@ class CompiledGraph:
                     worker_compiler=self.options.worker_compiler,
                     cudagraphs=self.options.cudagraphs,
                     source=prop.source(),
+                    static_inputs=static,
                 ),
             )
             variant = _Variant(pid, prop, programs, constants, tuple(constant_ids), prop.outputs, report)
@@ -359,7 +370,7 @@ class CompiledGraph:
             self._publish(report)
             fn: Callable[..., Any] = self.gm.forward
             if self.options.worker_compiler == "inductor":
-                fn = _compile_in_thread(_fresh_copy(self.gm), list(args))
+                fn = _compile_in_thread(_fresh_copy(self.gm), list(args), self.static_inputs)
             self._plain_fn = fn
             return fn
 
@@ -378,7 +389,9 @@ def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _compile_in_thread(gm: fx.GraphModule, args: list[Any]) -> Callable[..., Any]:
+def _compile_in_thread(
+    gm: fx.GraphModule, args: list[Any], static_inputs: Sequence[int] = ()
+) -> Callable[..., Any]:
     """Inductor-compile on a fresh thread: the first call still runs inside the outer compile's thread-local
     tracing state (aot/dynamo contexts), which a nested inductor trace must not see. Workers compile on their own
     threads anyway."""
@@ -386,7 +399,7 @@ def _compile_in_thread(gm: fx.GraphModule, args: list[Any]) -> Callable[..., Any
 
     def run() -> None:
         try:
-            box["fn"] = _compat.inductor_compile(gm, args)
+            box["fn"] = _compat.inductor_compile(gm, args, static_input_idxs=static_inputs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             box["error"] = e
 

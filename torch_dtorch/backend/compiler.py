@@ -41,7 +41,10 @@ def compile_graph(
     compiled: list[CompiledGraph] = []
 
     def fw_compiler(aten_gm: fx.GraphModule, fake_inputs: list[Any]) -> CompiledGraph:
-        cg = CompiledGraph(aten_gm, fake_inputs, options=opts, backend=backend, debug=debug)
+        static = _compat.static_input_indices(len(fake_inputs))
+        cg = CompiledGraph(
+            aten_gm, fake_inputs, options=opts, backend=backend, debug=debug, static_inputs=static
+        )
         if debug and cg.plain:
             log.info("%s: plain torch inputs; graphs are shown at the first call", backend)
         compiled.append(cg)

@@ -55,6 +55,9 @@ class LoadProgram:
     worker_compiler: str = "eager"
     cudagraphs: bool = False
     source: ProgramSource | None = None
+    #: program inputs that hold the same tensors at every call (parameters, buffers, graph constants): inductor
+    #: treats them as static, as plain ``torch.compile`` does a module's parameters
+    static_inputs: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)  # not frozen: one is made per call, and a frozen __init__ costs ~3x more
@@ -82,9 +85,11 @@ class ProgramStats:
 
 
 class _Loaded:
-    __slots__ = ("program", "fns", "compiler", "cudagraphs", "stats", "name")
+    __slots__ = ("program", "fns", "compiler", "cudagraphs", "stats", "name", "static")
 
-    def __init__(self, program: LocalProgram, compiler: str, cudagraphs: bool, name: str) -> None:
+    def __init__(
+        self, program: LocalProgram, compiler: str, cudagraphs: bool, name: str, static: Sequence[int] = ()
+    ) -> None:
         self.program = program
         self.fns: list[Callable[..., Any] | None] = [
             s.gm.forward if isinstance(s, Segment) and compiler == "eager" else None for s in program.steps
@@ -93,6 +98,7 @@ class _Loaded:
         self.cudagraphs = cudagraphs
         self.stats = ProgramStats()
         self.name = name
+        self.static = frozenset(static)
 
 
 class _Failed:
@@ -141,7 +147,9 @@ def _load(worker: Worker, instr: LoadProgram) -> None:
             err.__cause__ = e
             _table(worker)[instr.program_id] = _Failed(err)
             return
-    _table(worker)[instr.program_id] = _Loaded(program, instr.worker_compiler, instr.cudagraphs, name)
+    _table(worker)[instr.program_id] = _Loaded(
+        program, instr.worker_compiler, instr.cudagraphs, name, instr.static_inputs
+    )
 
 
 @register_instruction(UnloadProgram)
@@ -159,8 +167,10 @@ def _compile_segment(
     loaded: _Loaded, index: int, seg: Segment, args: Sequence[torch.Tensor]
 ) -> Callable[..., Any]:
     mode = "reduce-overhead" if loaded.cudagraphs and args and args[0].is_cuda else None
+    # the segment's inputs that are static program inputs (a program input's slot is its index)
+    static = [i for i, s in enumerate(seg.in_slots) if s in loaded.static]
     with _COMPILE_LOCK:
-        fn = _compat.inductor_compile(seg.gm, list(args), mode=mode)
+        fn = _compat.inductor_compile(seg.gm, list(args), mode=mode, static_input_idxs=static)
     loaded.fns[index] = fn
     return fn
 
@@ -397,10 +407,20 @@ def _register_codecs() -> None:
         inputs = [ctx.operand(x) for x in src.inputs]
         operators = [ctx.operator(op) for op in src.operators]
         outputs = ctx.value(list(src.outputs))
-        return [instr.program_id, instr.worker_compiler, instr.cudagraphs, mesh, inputs, operators, outputs]
+        static = list(instr.static_inputs)
+        return [
+            instr.program_id,
+            instr.worker_compiler,
+            instr.cudagraphs,
+            mesh,
+            inputs,
+            operators,
+            outputs,
+            static,
+        ]
 
     def dec_load(tree: Any, ctx: Any) -> LoadProgram:
-        pid, compiler, cudagraphs, mesh_tree, in_trees, op_trees, out_tree = tree
+        pid, compiler, cudagraphs, mesh_tree, in_trees, op_trees, out_tree, static = tree
         mesh = ctx.mesh(mesh_tree)
         inputs = tuple(ctx.operand(t) for t in in_trees)
         operators = tuple(ctx.operator(t) for t in op_trees)
@@ -409,7 +429,12 @@ def _register_codecs() -> None:
             raise CodecError(f"LoadProgram {pid}: malformed program (no mesh, or a missing input operand)")
         source = ProgramSource(mesh, inputs, operators, outputs)
         return LoadProgram(
-            int(pid), {}, worker_compiler=str(compiler), cudagraphs=bool(cudagraphs), source=source
+            int(pid),
+            {},
+            worker_compiler=str(compiler),
+            cudagraphs=bool(cudagraphs),
+            source=source,
+            static_inputs=tuple(int(i) for i in static),
         )
 
     register_codec(RunProgram, tag="compile.run", encode=enc_run, decode=dec_run)

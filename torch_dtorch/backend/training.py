@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from torch_dtorch import _compat
 from torch_dtorch.backend.capture import capture
 from torch_dtorch.backend.compiled import CompiledGraph
 from torch_dtorch.backend.options import CompileOptions
@@ -57,8 +58,15 @@ def compile_training(
 
     def fw_compiler(aten_gm: fx.GraphModule, fake_inputs: list[Any]) -> CompiledGraph:
         log.debug("%s: training forward graph with %d inputs", backend, len(fake_inputs))
+        static = _compat.static_input_indices(len(fake_inputs))  # the primals: parameters first
         return CompiledGraph(
-            aten_gm, fake_inputs, options=options, backend=backend, debug=debug, records=link
+            aten_gm,
+            fake_inputs,
+            options=options,
+            backend=backend,
+            debug=debug,
+            records=link,
+            static_inputs=static,
         )
 
     def bw_compiler(aten_gm: fx.GraphModule, fake_inputs: list[Any]) -> CompiledGraph:
