@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from torch_dtorch.device import dispatch, state
+from torch_dtorch.device import dispatch, fastpath_grow, state
 from torch_dtorch.device.fastpath_keys import (
     SCALAR,
     bind_unbound,
@@ -53,7 +53,7 @@ _LEARNED.tpl = None
 class FastOp:
     """The fast path of one overload (see the module docstring)."""
 
-    __slots__ = ("op", "slot_pos", "dense", "cache", "kind", "view_of", "list_pos")
+    __slots__ = ("op", "slot_pos", "dense", "cache", "grown", "kind", "view_of", "list_pos")
 
     def __init__(
         self,
@@ -72,6 +72,8 @@ class FastOp:
         #: n when the tensor slots are exactly positions 0..n-1 (the slots are then a prefix of the arguments)
         self.dense = len(slot_pos) if slot_pos == tuple(range(len(slot_pos))) else 0
         self.cache: dict[tuple[Any, ...], Template] = {}
+        #: decisions kept per growth key (:mod:`.fastpath_grow`): exact misses derive their templates from them
+        self.grown: dict[tuple[Any, ...], fastpath_grow.Kept] = {}
         self.kind = kind  # "single" | "tuple" | "list"
         self.view_of = view_of
 
@@ -144,6 +146,8 @@ class FastOp:
         if tpl is None:
             alt = self._pattern_key(key)
             tpl = None if alt is None else self.cache.get(alt)
+            if tpl is None and scalars is None and self.grown:
+                tpl = self._derive(rt, targs, kwargs, key)
             if tpl is None:
                 return self._record(rt, args, kwargs, targs, tuple(key), alt)
         if scalars is not None:
@@ -257,9 +261,22 @@ class FastOp:
         tpl = self._lookup(key, kwargs)
         if tpl is MISS:
             return MISS
+        if tpl is None and self.grown:
+            tpl = self._derive(rt, targs, kwargs, key)
         if tpl is None:
             return self._record(rt, args, kwargs, targs, tuple(key))
         return self._hit(rt, tpl, args, targs, inputs)
+
+    def _derive(self, rt: Any, targs: list[Any], kwargs: dict[str, Any], key: list[Any]) -> Template | None:
+        """A template derived from a kept decision of the call's growth key (:mod:`.fastpath_grow`), stored under
+        the call's exact ``key``; ``None``: none applies (the full path plans the call)."""
+        k = tuple(key)
+        tpl = fastpath_grow.derive(self.grown, rt, get_rule(self.op), self.op, targs, kwargs, k, self)
+        if tpl is not None:
+            if len(self.cache) >= _TEMPLATES_PER_OP:
+                self.cache.clear()
+            self.cache[k] = tpl
+        return tpl
 
     def _record(
         self,
@@ -307,7 +324,7 @@ class FastOp:
             call,
             op_plan=last.plan,
             moved=list(last.moved),
-            outputs=outputs,
+            out_specs=[(m, o.mesh, o.placements) for m, o in zip(last.plan.out_meta, outputs, strict=True)],
             mesh=first.mesh,
             slot_pos=self.slot_pos,
             owner=self,
@@ -315,6 +332,7 @@ class FastOp:
         )
         if alt is not None and rule.view_of is None and fresh_dense(outputs):
             self.cache[alt] = tpl  # (the stride pattern's key: see _pattern_key)
+        fastpath_grow.keep(self.grown, rt, rule, call, last.plan, outputs, key)
         _LEARNED.tpl = tpl
         stats["recorded"] += 1
         return out
@@ -329,6 +347,7 @@ def _rule_changed(op: Any) -> None:
     fast = _FAST.get(op)
     if fast is not None:
         fast.cache.clear()
+        fast.grown.clear()
     if NATIVE is not None:
         NATIVE.invalidate()
 

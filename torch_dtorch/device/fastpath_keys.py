@@ -25,6 +25,7 @@ __all__ = [
     "SCALAR",
     "bind_unbound",
     "constant_key",
+    "intern_layout",
     "fresh_dense",
     "is_scalar_upload",
     "layout_of",
@@ -47,15 +48,22 @@ def layout_of(x: Operand) -> int:
     A gapped operand's id (strides not dense: ``ids[:, -1:]`` of a growing ``[B, L]``, strides ``(L, 1)``) also
     maps to the id of its stride *pattern* (:data:`PATTERN_OF`, :func:`~torch_dtorch.graph.strides.stride_key`),
     under which the templates of non-view ops are kept too (see :func:`pattern_key`)."""
-    key = (x.mesh, x.placements, x.shape, x.stride, x.dtype)
+    return intern_layout(x.mesh, x.placements, x.shape, x.stride, x.dtype)
+
+
+def intern_layout(
+    mesh: Any, placements: Any, shape: tuple[int, ...], stride: tuple[int, ...] | None, dtype: Any
+) -> int:
+    """:func:`layout_of` from the fields (a template's outputs before their operands exist)."""
+    key = (mesh, placements, shape, stride, dtype)
     lid = _LAYOUTS.get(key)
     if lid is None:
         if len(_LAYOUTS) >= _MAX_LAYOUTS:
             _LAYOUTS.clear()  # old ids stay unique: templates keyed by them simply stop matching
             PATTERN_OF.clear()
         lid = _LAYOUTS[key] = next(_LAYOUT_IDS)
-        if x.stride and not is_dense(x.shape, x.stride):
-            pkey = (x.mesh, x.placements, x.shape, stride_key(x.shape, x.stride), x.dtype)
+        if stride and not is_dense(shape, stride):
+            pkey = (mesh, placements, shape, stride_key(shape, stride), dtype)
             pid = _LAYOUTS.get(pkey)
             if pid is None:
                 pid = _LAYOUTS[pkey] = next(_LAYOUT_IDS)

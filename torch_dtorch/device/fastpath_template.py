@@ -3,12 +3,15 @@ output layouts and the argument slots a hit fills."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from torch_dtorch.device.fastpath_keys import layout_of
+from torch_dtorch.device.fastpath_keys import intern_layout
 from torch_dtorch.executor.constructor import redistribute_spec
 from torch_dtorch.executor.fast import FastPlan
-from torch_dtorch.graph import Operand
+from torch_dtorch.graph import Operand, TensorMeta
+from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.placement import Placements
 from torch_dtorch.placement_rules import OpCall, OpRule
 
 __all__ = ["Template", "TemplateOwner"]
@@ -47,7 +50,7 @@ class Template:
         call: OpCall,
         op_plan: Any,
         moved: list[int],
-        outputs: list[Operand],
+        out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
         mesh: Any,
         slot_pos: tuple[int, ...],
         owner: TemplateOwner,
@@ -64,9 +67,8 @@ class Template:
             )
             for i in moved
         )
-        out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(op_plan.out_meta, outputs, strict=True))
         self.plan = FastPlan(rule, call, targets, out_specs, op_plan.assign, op_plan.cost, moves)
-        self.out_layouts = tuple(layout_of(o) for o in outputs)
+        self.out_layouts = tuple(intern_layout(om, pl, m.shape, m.stride, m.dtype) for m, om, pl in out_specs)
         self.mesh = mesh  # the mesh of the first tensor input (the runtime's "last mesh" after the call)
         #: the devices of ``mesh``'s root (a plain 0-d CPU tensor argument is uploaded to each, see ``_hit_scalars``)
         self.devices = tuple(mesh.devices)
