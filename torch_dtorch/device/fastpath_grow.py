@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.device.fastpath_template import Template, TemplateOwner
+from torch_dtorch.errors import PlacementError
 from torch_dtorch.graph import AssignInfo, Operand, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements
@@ -99,7 +100,10 @@ def derive(
     owner: TemplateOwner,
 ) -> Template | None:
     """The template of a call whose exact key missed, derived from a kept decision (``None``: none applies)."""
-    call = OpCall.make(op, tuple(targs), kwargs)
+    try:
+        call = OpCall.make(op, tuple(targs), kwargs)
+    except PlacementError:  # inputs on several meshes: the full path decides (and words the error)
+        return None
     if call.mesh is None:
         return None
     gkey = _growth_key(rule, call, key, rt)
