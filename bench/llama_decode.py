@@ -8,8 +8,9 @@ meets a new cache length every token. This measures that case (CPU, thread mode,
 - ``generate``: per run (``--runs``) a batch-2 prompt of a length no earlier run reached; greedy ``generate`` of
   ``--tokens`` tokens minus the prefill (``generate`` of 1 token, timed after a first call planned it), per decoded
   token — at new lengths, then the same call again (lengths planned) — with the calls planned in full (fast-path
-  misses, ``GraphConstructor.num_planned``), the shape inferences (plan-cache misses) and worker fetches per
-  new-length token (the prefill's included, spread over the tokens), medians.
+  misses, ``GraphConstructor.num_planned``), the templates derived from a kept decision instead
+  (``device/fastpath_grow.py``), the shape inferences (plan-cache misses) and worker fetches per new-length token
+  (the prefill's included, spread over the tokens), medians.
 
     PYTHONPATH=$PWD python bench/llama_decode.py                 # 1-device mesh
     PYTHONPATH=$PWD python bench/llama_decode.py --mesh tp=2
@@ -61,6 +62,7 @@ def bench_generate(mesh: Any, tokens: int, runs: int) -> dict[str, float]:
     import torch_dtorch as dt
     from torch_dtorch.apps.llama import parallelize_llama
     from torch_dtorch.apps.llama.tiny import TinyLlama, tiny_llama
+    from torch_dtorch.device import fastpath_grow
     from torch_dtorch.device.state import get_session
     from torch_dtorch.placement_rules import rule as rule_mod
 
@@ -99,7 +101,7 @@ def bench_generate(mesh: Any, tokens: int, runs: int) -> dict[str, float]:
 
     rule_mod.OpRule.infer_meta = counting_infer  # type: ignore[method-assign]
     executor.fetch = counting_fetch  # type: ignore[method-assign]
-    new, seen, infers, fetches, plans = [], [], [], [], []
+    new, seen, infers, fetches, plans, derived = [], [], [], [], [], []
     constructor = get_session().executor.constructor
     try:
         length = 8 + tokens
@@ -109,9 +111,10 @@ def bench_generate(mesh: Any, tokens: int, runs: int) -> dict[str, float]:
             gen(ids, 1)
             prefill = gen(ids, 1)
             counts.update(infer=0, fetch=0)
-            planned = constructor.num_planned
+            planned, grown = constructor.num_planned, fastpath_grow.stats["derived"]
             whole = gen(ids, 1 + tokens)
             plans.append((constructor.num_planned - planned) / tokens)
+            derived.append((fastpath_grow.stats["derived"] - grown) / tokens)
             infers.append(counts["infer"] / tokens)
             fetches.append(counts["fetch"] / tokens)
             new.append((whole - prefill) / tokens)
@@ -125,6 +128,7 @@ def bench_generate(mesh: Any, tokens: int, runs: int) -> dict[str, float]:
         "new_shape_inferences_per_token": statistics.median(infers),
         "fetches_per_token": statistics.median(fetches),
         "full_plans_per_token": statistics.median(plans),
+        "derived_templates_per_token": statistics.median(derived),
     }
 
 
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"generate: {r['new_ms_per_token']:.2f} ms/token at new lengths, {r['seen_ms_per_token']:.2f} at planned"
             f" ones; {r['full_plans_per_token']:.1f} full plans,"
+            f" {r['derived_templates_per_token']:.1f} derived templates,"
             f" {r['new_shape_inferences_per_token']:.1f} shape inferences and"
             f" {r['fetches_per_token']:.2f} fetches per new-length token"
         )

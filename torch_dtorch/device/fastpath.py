@@ -2,33 +2,38 @@
 
 The first call of an op on given input layouts goes the full way (:func:`torch_dtorch.device.dispatch.dispatch`:
 operands, binding, rule matching, planning). If that call was not in place and took only bound dtorch tensors in
-top-level positional slots, the op's :class:`FastOp` keeps a :class:`_Template` of what was decided — the rule,
+top-level positional slots, the op's :class:`FastOp` keeps a :class:`Template` of what was decided — the rule,
 the redistributes of its inputs, the output metadata/placements, the device assignment and cost. Later calls with the same
 layouts (mesh, placements, shape, stride, dtype of every tensor argument) and equal constants look the template up
 and only create the output operands, the operator and the output tensors.
 
 A layout is interned once per tensor (a small int kept on the tensor table entry), so a hit hashes a short tuple of
-ints and constants. Anything unusual (unbound or CPU tensors, tensor lists, unhashable arguments, random ops) misses
+ints and constants (the keys: :mod:`.fastpath_keys`; the template and what it records: :mod:`.fastpath_template`;
+this module: the per-op cache, hits and the native kernel's hooks). Anything unusual (unbound or CPU tensors, tensor lists, unhashable arguments, random ops) misses
 and takes the full path, which is always correct.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from typing import Any
 
 from torch import Tensor
 
-from torch_dtorch.device import binding, dispatch, state
+from torch_dtorch.device import dispatch, fastpath_grow, state
+from torch_dtorch.device.fastpath_keys import (
+    SCALAR,
+    bind_unbound,
+    constant_key,
+    fresh_dense,
+    is_scalar_upload,
+    layout_of,
+    pattern_key,
+)
+from torch_dtorch.device.fastpath_template import Template
 from torch_dtorch.device.tensors import TABLE
-from torch_dtorch.executor.constructor import redistribute_spec
-from torch_dtorch.executor.fast import FastPlan
 from torch_dtorch.graph import Operand
-from torch_dtorch.graph.strides import is_dense, stride_key
-from torch_dtorch.mesh import current_mesh
-from torch_dtorch.placement import Replicate
-from torch_dtorch.placement_rules import OpCall, OpRule, get_rule
+from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
 from torch_dtorch.placement_rules.rule import add_rule_listener, number_key
 
@@ -36,15 +41,7 @@ __all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "native_kernel", 
 
 #: returned by :meth:`FastOp.__call__` when the call must take the full path
 MISS: Any = object()
-_CONST = "const"
-#: the key's tag of a plain 0-d CPU tensor argument (with its dtype; never its value)
-_SCALAR = "cpu-0d"
-
 _TEMPLATES_PER_OP = 4096
-_LAYOUTS: dict[tuple[Any, ...], int] = {}
-_LAYOUT_IDS = itertools.count(1)
-_MAX_LAYOUTS = 1 << 16
-
 #: hits / misses / templates recorded (for tests and benchmarks; the native kernel's hits and misses included)
 stats = {"hit": 0, "miss": 0, "recorded": 0}
 
@@ -53,143 +50,10 @@ _LEARNED = threading.local()
 _LEARNED.tpl = None
 
 
-def layout_of(x: Operand) -> int:
-    """A small int standing for ``x``'s (mesh, placements, shape, stride, dtype). Ids are never reused.
-
-    A gapped operand's id (strides not dense: ``ids[:, -1:]`` of a growing ``[B, L]``, strides ``(L, 1)``) also
-    maps to the id of its stride *pattern* (:data:`PATTERN_OF`, :func:`~torch_dtorch.graph.strides.stride_key`),
-    under which the templates of non-view ops are kept too (see :meth:`FastOp._pattern_key`)."""
-    key = (x.mesh, x.placements, x.shape, x.stride, x.dtype)
-    lid = _LAYOUTS.get(key)
-    if lid is None:
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
-            _LAYOUTS.clear()  # old ids stay unique: templates keyed by them simply stop matching
-            PATTERN_OF.clear()
-        lid = _LAYOUTS[key] = next(_LAYOUT_IDS)
-        if x.stride and not is_dense(x.shape, x.stride):
-            pkey = (x.mesh, x.placements, x.shape, stride_key(x.shape, x.stride), x.dtype)
-            pid = _LAYOUTS.get(pkey)
-            if pid is None:
-                pid = _LAYOUTS[pkey] = next(_LAYOUT_IDS)
-            PATTERN_OF[lid] = pid
-    return lid
-
-
-#: layout id of a gapped operand -> the id of its stride pattern (shared by every raw stride of that pattern)
-PATTERN_OF: dict[int, int] = {}
-
-
-def _bind(
-    rt: Any, first: Operand | None, unbound: list[tuple[int, int, Operand]], key: list[Any], targs: list[Any]
-) -> Operand | None:
-    """Materialize the unbound operands of a call at ``targs[i]`` on the mesh the full path would pick (the first
-    bound input's, else the innermost ``with mesh:``, else the last op's) and put their layouts at ``key[k]``.
-    Returns the first tensor input; ``None``: no mesh in sight (the full path decides)."""
-    mesh = first.mesh if first is not None else current_mesh() or rt.last_mesh
-    if mesh is None:
-        return None
-    for i, k, x in unbound:
-        y = binding.bind(rt, x, mesh)
-        targs[i] = y
-        key[k] = layout_of(y)
-    return next(a for a in targs if isinstance(a, Operand))
-
-
-def _constant_key(a: Any) -> tuple[Any, ...]:
-    """The key of one constant argument. Tagged by type: a constant must never equal a layout id (ints) or another
-    type's value (``1 == 1.0 == True``: ``x + 1`` and ``x + 1.0`` promote differently); a float equal to another is
-    the same float except zeros (``0.0 == -0.0``) and NaNs (``nan != nan``): those by their bits."""
-    t = type(a)
-    if (t is float and not (a and a == a)) or t is complex:
-        return (_CONST, number_key(a))
-    return (_CONST, t, a)
-
-
-class _Template:
-    """A learned fast-path template: ``plan`` is the :class:`FastPlan` a hit replays (built from the call's
-    ``OpPlan``, the ``op_plan`` argument), with the output layouts and the slots a hit fills."""
-
-    __slots__ = (
-        "plan",
-        "out_layouts",
-        "mesh",
-        "devices",
-        "owner",
-        "skeleton",
-        "operand_slots",
-        "const_slots",
-        "tail",
-    )
-
-    def __init__(
-        self,
-        rule: OpRule,
-        call: OpCall,
-        op_plan: Any,
-        moved: list[int],
-        outputs: list[Operand],
-        mesh: Any,
-        slot_pos: tuple[int, ...],
-        owner: FastOp,
-        targs: list[Any],
-    ) -> None:
-        targets = op_plan.match.in_targets
-        assert call.mesh is not None or not moved
-        lp = owner.list_pos
-        moves = tuple(
-            (
-                i,
-                slot_pos[i] if lp is None else (lp, i),  # a list op's slot i is element i of its list
-                redistribute_spec(call.inputs[i], call.mesh, targets[i]),  # type: ignore[arg-type]
-            )
-            for i in moved
-        )
-        out_specs = tuple((m, o.mesh, o.placements) for m, o in zip(op_plan.out_meta, outputs, strict=True))
-        self.plan = FastPlan(rule, call, targets, out_specs, op_plan.assign, op_plan.cost, moves)
-        self.out_layouts = tuple(layout_of(o) for o in outputs)
-        self.mesh = mesh  # the mesh of the first tensor input (the runtime's "last mesh" after the call)
-        #: the devices of ``mesh``'s root (a plain 0-d CPU tensor argument is uploaded to each, see ``_hit_scalars``)
-        self.devices = tuple(mesh.devices)
-        self.owner = owner
-        # the recorded call's positional arguments: the native kernel's hits only send the tensor inputs (its key
-        # holds every constant, so a hit's constants are these)
-        self.skeleton = tuple(targs)
-        self.plan.args_of = self.args_for
-        self.operand_slots: tuple[tuple[int, int], ...] = ()
-        self.const_slots: tuple[int, ...] = ()
-        self.tail: tuple[Any, ...] | None = None
-        if lp is not None:  # the list is the only tensor argument; a hit always sends its arguments
-            return
-        n = len(targs)
-        #: (tensor slot, position) of every slot holding an operand (a Python number in a tensor slot, ``x + 1.0``,
-        #: is a constant: its slot's input is ``None``)
-        self.operand_slots = tuple(
-            (k, p) for k, p in enumerate(owner.slot_pos) if p < n and isinstance(targs[p], Operand)
-        )
-        self.const_slots = tuple(
-            k for k, p in enumerate(owner.slot_pos) if p < n and not isinstance(targs[p], Operand)
-        )
-        d = owner.dense
-        dense = d and n >= d and self.operand_slots == tuple((k, k) for k in range(d))
-        self.tail = self.skeleton[d:] if dense else None
-
-    def args_for(self, inputs: list[Operand | None]) -> tuple[Any, ...]:
-        """The positional arguments of a call with these tensor inputs (one per tensor slot)."""
-        if self.tail is not None:
-            return (*inputs[: self.owner.dense], *self.tail)
-        args = list(self.skeleton)
-        if self.owner.list_pos is not None:
-            args[self.owner.list_pos] = list(inputs)
-            return tuple(args)
-        for k, p in self.operand_slots:
-            args[p] = inputs[k]
-        return tuple(args)
-
-
 class FastOp:
     """The fast path of one overload (see the module docstring)."""
 
-    __slots__ = ("op", "slot_pos", "dense", "cache", "kind", "view_of", "list_pos")
+    __slots__ = ("op", "slot_pos", "dense", "cache", "grown", "kind", "view_of", "list_pos")
 
     def __init__(
         self,
@@ -207,7 +71,9 @@ class FastOp:
         self.slot_pos = slot_pos  # positional index of every tensor slot, in schema order
         #: n when the tensor slots are exactly positions 0..n-1 (the slots are then a prefix of the arguments)
         self.dense = len(slot_pos) if slot_pos == tuple(range(len(slot_pos))) else 0
-        self.cache: dict[tuple[Any, ...], _Template] = {}
+        self.cache: dict[tuple[Any, ...], Template] = {}
+        #: decisions kept per growth key (:mod:`.fastpath_grow`): exact misses derive their templates from them
+        self.grown: dict[tuple[Any, ...], fastpath_grow.Kept] = {}
         self.kind = kind  # "single" | "tuple" | "list"
         self.view_of = view_of
 
@@ -235,7 +101,7 @@ class FastOp:
                     if scalars is None:
                         scalars = []
                     scalars.append((i, a))
-                    key.append((_SCALAR, a.dtype))
+                    key.append((SCALAR, a.dtype))
                     i += 1
                     continue
                 if e.generation != gen or a.shape != e.shape:
@@ -268,10 +134,10 @@ class FastOp:
                 else:
                     key.append((type(a), types, *a))
             else:
-                key.append(_constant_key(a))
+                key.append(constant_key(a))
             i += 1
         if unbound is not None:
-            first = _bind(rt, first, unbound, key, targs)
+            first = bind_unbound(rt, first, unbound, key, targs)
         if first is None:
             return MISS
         tpl = self._lookup(key, kwargs)
@@ -280,6 +146,8 @@ class FastOp:
         if tpl is None:
             alt = self._pattern_key(key)
             tpl = None if alt is None else self.cache.get(alt)
+            if tpl is None and scalars is None and self.grown:
+                tpl = self._derive(rt, targs, kwargs, key)
             if tpl is None:
                 return self._record(rt, args, kwargs, targs, tuple(key), alt)
         if scalars is not None:
@@ -297,16 +165,9 @@ class FastOp:
         return self._hit(rt, tpl, args, targs, inputs)
 
     def _pattern_key(self, key: list[Any]) -> tuple[Any, ...] | None:
-        """``key`` with the layout of every gapped input replaced by its stride pattern's, for a non-view op
-        (``None``: a view, or no gapped input). A fresh result's layout depends on its inputs' strides only
-        through the comparisons the pattern keeps (``torch_dtorch/graph/strides.py``), so a template learned for
-        one raw stride serves every stride of the pattern; a view's outputs carry its input's strides, so views
-        are keyed by raw strides only."""
-        if self.view_of is not None or not PATTERN_OF:
-            return None
-        pattern = PATTERN_OF
-        alt = [pattern.get(k, k) if type(k) is int else k for k in key]
-        return tuple(alt) if alt != key else None
+        """``key`` under the stride patterns of its gapped inputs (:func:`.fastpath_keys.pattern_key`), for a
+        non-view op only (``None``: a view, or no gapped input)."""
+        return None if self.view_of is not None else pattern_key(key)
 
     def _lookup(self, key: list[Any], kwargs: dict[str, Any]) -> Any:
         """The cached template of ``key`` (plus ``kwargs``' constants, appended to ``key``); ``None`` when there is
@@ -322,7 +183,7 @@ class FastOp:
             return MISS
 
     def _hit(
-        self, rt: Any, tpl: _Template, args: tuple[Any, ...], targs: list[Any], inputs: list[Operand | None]
+        self, rt: Any, tpl: Template, args: tuple[Any, ...], targs: list[Any], inputs: list[Operand | None]
     ) -> Any:
         """Record one hit of ``tpl`` and make its output tensors."""
         outs = rt.executor.record_fast(tpl.plan, tuple(targs), inputs)
@@ -339,7 +200,7 @@ class FastOp:
     def _hit_scalars(
         self,
         rt: Any,
-        tpl: _Template,
+        tpl: Template,
         args: tuple[Any, ...],
         targs: list[Any],
         scalars: list[tuple[int, Tensor]],
@@ -394,15 +255,28 @@ class FastOp:
             elif isinstance(a, Tensor) or type(a) is list or type(a) is tuple:
                 return MISS
             else:
-                key.append(_constant_key(a))
+                key.append(constant_key(a))
         if not inputs:
             return MISS
         tpl = self._lookup(key, kwargs)
         if tpl is MISS:
             return MISS
+        if tpl is None and self.grown:
+            tpl = self._derive(rt, targs, kwargs, key)
         if tpl is None:
             return self._record(rt, args, kwargs, targs, tuple(key))
         return self._hit(rt, tpl, args, targs, inputs)
+
+    def _derive(self, rt: Any, targs: list[Any], kwargs: dict[str, Any], key: list[Any]) -> Template | None:
+        """A template derived from a kept decision of the call's growth key (:mod:`.fastpath_grow`), stored under
+        the call's exact ``key``; ``None``: none applies (the full path plans the call)."""
+        k = tuple(key)
+        tpl = fastpath_grow.derive(self.grown, rt, get_rule(self.op), self.op, targs, kwargs, k, self)
+        if tpl is not None:
+            if len(self.cache) >= _TEMPLATES_PER_OP:
+                self.cache.clear()
+            self.cache[k] = tpl
+        return tpl
 
     def _record(
         self,
@@ -433,7 +307,7 @@ class FastOp:
                 for k, p in enumerate(self.slot_pos):
                     if p < n and isinstance(targs[p], Tensor):  # a plain 0-d CPU tensor: its upload
                         x = call.inputs[k]
-                        if not _is_scalar_upload(x, targs[p]):
+                        if not is_scalar_upload(x, targs[p]):
                             return out
                         targs[p] = expected[k] = x
         if len(expected) != len(call.inputs) or any(
@@ -445,38 +319,23 @@ class FastOp:
         first = next(x for x in expected if x is not None)
         if len(self.cache) >= _TEMPLATES_PER_OP:
             self.cache.clear()
-        tpl = self.cache[key] = _Template(
+        tpl = self.cache[key] = Template(
             rule,
             call,
             op_plan=last.plan,
             moved=list(last.moved),
-            outputs=outputs,
+            out_specs=[(m, o.mesh, o.placements) for m, o in zip(last.plan.out_meta, outputs, strict=True)],
             mesh=first.mesh,
             slot_pos=self.slot_pos,
             owner=self,
             targs=targs,
         )
-        if alt is not None and rule.view_of is None and _fresh_dense(outputs):
+        if alt is not None and rule.view_of is None and fresh_dense(outputs):
             self.cache[alt] = tpl  # (the stride pattern's key: see _pattern_key)
+        fastpath_grow.keep(self.grown, rt, rule, call, last.plan, outputs, key)
         _LEARNED.tpl = tpl
         stats["recorded"] += 1
         return out
-
-
-def _fresh_dense(outputs: list[Operand]) -> bool:
-    """Every output is dense (a fresh result of gapped inputs is, by torch's stride rules: checked, not assumed)."""
-    return all(o.stride is None or is_dense(o.shape, o.stride) for o in outputs)
-
-
-def _is_scalar_upload(x: Operand | None, t: Tensor) -> bool:
-    """``x`` is what the full path made of the plain 0-d tensor ``t``: a Replicate 0-d operand of its dtype."""
-    return (
-        x is not None
-        and x.mesh is not None
-        and x.shape == ()
-        and x.dtype == t.dtype
-        and all(type(p) is Replicate for p in x.placements)
-    )
 
 
 _FAST: dict[Any, FastOp | None] = {}
@@ -488,6 +347,7 @@ def _rule_changed(op: Any) -> None:
     fast = _FAST.get(op)
     if fast is not None:
         fast.cache.clear()
+        fast.grown.clear()
     if NATIVE is not None:
         NATIVE.invalidate()
 
@@ -538,7 +398,7 @@ def fast_op(op: Any) -> FastOp | None:
 NATIVE: Any = TABLE._m if TABLE.native else None  # type: ignore[union-attr]
 
 
-def _native_hit(tpl: _Template, inputs: list[Operand | None]) -> list[Operand] | None:
+def _native_hit(tpl: Template, inputs: list[Operand | None]) -> list[Operand] | None:
     """A hit of the native kernel: record the operator; the kernel makes the output tensors. ``None``: no runtime."""
     rt = state._SESSION
     if rt is None:
@@ -553,7 +413,7 @@ def _layout_of_operand(x: Operand) -> int:
     return -2 if x.mesh is None else layout_of(x)
 
 
-def _take_learned() -> _Template | None:
+def _take_learned() -> Template | None:
     tpl = getattr(_LEARNED, "tpl", None)
     _LEARNED.tpl = None
     return tpl

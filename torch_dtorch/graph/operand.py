@@ -123,7 +123,7 @@ class Operand:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype, device="meta").element_size()
+        return self.dtype.itemsize  # (== element_size() for every dtype; no meta tensor per call)
 
     def nbytes(self) -> int:
         return self.numel() * self.itemsize

@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-import torch
-
 from torch_dtorch.graph import Operand, OperatorCost, TensorMeta
 
 __all__ = [
@@ -23,7 +21,7 @@ __all__ = [
 
 
 def meta_nbytes(meta: TensorMeta) -> int:
-    return math.prod(meta.shape) * torch.empty((), dtype=meta.dtype, device="meta").element_size()
+    return math.prod(meta.shape) * meta.dtype.itemsize
 
 
 def _read(inputs: Iterable[Operand | None]) -> int:

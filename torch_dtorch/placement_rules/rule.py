@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,7 @@ from torch_dtorch.placement_rules.signature import PlacementSignature, all_repli
 
 __all__ = [
     "FunctionRule",
+    "Growth",
     "add_rule_listener",
     "const_key",
     "float_bits",
@@ -51,6 +52,13 @@ __all__ = [
 
 SignatureFn = Callable[[OpCall], Sequence[PlacementSignature]]
 KernelFn = Callable[[OpCall, LocalContext, tuple[Any, ...], dict[str, Any]], Any]
+
+
+class Growth(NamedTuple):
+    """A function rule's :meth:`OpRule.growth_key` and :meth:`OpRule.grown_meta` (``register_rule(growth=...)``)."""
+
+    key: Callable[[OpCall], Any]
+    meta: Callable[[OpCall, Sequence[TensorMeta]], list[TensorMeta] | None]
 
 
 @dataclass(frozen=True)
@@ -197,6 +205,19 @@ class OpRule:
     def cost(self, call: OpCall) -> OperatorCost:
         return elementwise_cost(call.inputs, call.out_meta)
 
+    # --- shape-generic decisions (placement_rules/growth.py) -------------------------------------------------------
+    def growth_key(self, call: OpCall) -> Any:
+        """A key of the call's shapes and strides such that every call of the op with an equal key (and equal
+        meshes, placements, dtypes and constants) gets the same signatures, pinned slots and input checks, and
+        :meth:`grown_meta` gives its output metadata; ``None`` (the default): the decision depends on the exact
+        shapes. See ``growth.py`` for what makes such a key sound."""
+        return None
+
+    def grown_meta(self, call: OpCall, kept: Sequence[TensorMeta]) -> list[TensorMeta] | None:
+        """The output metadata of ``call``, by arithmetic, given ``kept``: that of a call with the same
+        :meth:`growth_key` (``None``: not derivable, infer it)."""
+        return None
+
 
 class FunctionRule(OpRule):
     """A rule given as a plain function ``call -> signatures`` (plus optional hook functions)."""
@@ -213,8 +234,10 @@ class FunctionRule(OpRule):
         as_is: Callable[[OpCall], bool] | None = None,
         view_of: int | None = None,
         stream: str = "compute",
+        growth: Growth | None = None,
     ) -> None:
         self._fn = fn
+        self._growth = growth
         self._kernel = kernel
         #: the calls for which ``kernel`` runs the op itself (see :meth:`OpRule.runs_op_as_is`)
         self._as_is = as_is
@@ -266,6 +289,12 @@ class FunctionRule(OpRule):
         if self._cost is not None:
             return self._cost(call)
         return super().cost(call)
+
+    def growth_key(self, call: OpCall) -> Any:
+        return None if self._growth is None else self._growth.key(call)
+
+    def grown_meta(self, call: OpCall, kept: Sequence[TensorMeta]) -> list[TensorMeta] | None:
+        return None if self._growth is None else self._growth.meta(call, kept)
 
     def __repr__(self) -> str:
         return f"FunctionRule({self._fn.__qualname__}, family={self.family!r})"
@@ -399,12 +428,14 @@ def register_rule(
     as_is: Callable[[OpCall], bool] | None = None,
     view_of: int | None = None,
     stream: str = "compute",
+    growth: Growth | None = None,
 ) -> Callable[[Any], Any]:
     """Register a rule for one or more overloads. Decorates a function ``call -> signatures`` or an
     :class:`OpRule` subclass (instantiated once). Registering an overload twice raises
     :class:`RuleRegistrationError`. CompositeImplicitAutograd overloads join the intercept list automatically;
     ``intercept=True`` adds others (views, which would otherwise arrive as anonymous ``as_strided``). ``as_is``:
-    the calls for which ``kernel`` is the op itself (:meth:`OpRule.runs_op_as_is`)."""
+    the calls for which ``kernel`` is the op itself (:meth:`OpRule.runs_op_as_is`); ``growth``: the rule's
+    :meth:`OpRule.growth_key` and :meth:`OpRule.grown_meta`."""
 
     def deco(target: Any) -> Any:
         if isinstance(target, OpRule):  # a rule object (re-registered, or derived like in-place variants)
@@ -424,6 +455,7 @@ def register_rule(
                 as_is=as_is,
                 view_of=view_of,
                 stream=stream,
+                growth=growth,
             )
         for op in ops:
             _check_op(op)

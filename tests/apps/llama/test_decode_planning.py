@@ -1,10 +1,11 @@
 """How many calls HF ``generate`` plans in full per decoded token (``GraphConstructor.num_planned``: fast-path
 misses), on a tiny Llama — a regression of the eager fast path on decode shows here first.
 
-Each decode step at a length no earlier step reached still plans the calls whose input *shapes* grow with the
-sequence (the fast path keys on shapes; see docs/llama.md "Decode cost per token"); the gapped ``[:, -1:]`` slices
-of ``input_ids`` / position ids and their consumers (``isin``, ``clone``, ``add``) must not: their strides change
-every token, their stride pattern does not. Repeating a ``generate`` (lengths seen) must plan nothing per token.
+Each decode step at a length no earlier step reached meets new input *shapes* (the KV-cache, ``input_ids`` and
+attention-mask ``cat``s, the ``[:, -1:]`` slices of the growing ``input_ids`` / position ids, SDPA over the grown
+cache): their templates are derived from the decision kept for their growth key (``device/fastpath_grow.py``), so
+after the first decode step of a prompt nothing plans in full; the gapped slices' consumers (``isin``, ``clone``,
+``add``) hit their stride pattern's template. Repeating a ``generate`` (lengths seen) plans nothing per token.
 Tokens and every step's logits equal single-device transformers."""
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from torch_dtorch.device.state import get_session
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
 
-#: full plans per decoded token at new lengths, after the first decode step: KV-cache, ``input_ids`` and
-#: attention-mask ``cat``s (one per distinct shape), ``[:, -1:]`` slices of the growing ``input_ids`` / position ids,
-#: SDPA on the growing cache (measured: 7 on one device, 5 under tp=2, where the position ids are not sliced)
-MAX_NEW_LENGTH_PLANS = {"single": 7, "tp=2": 5}
+#: full plans per decoded token at new lengths, after the first decode step (measured: 0 under every layout here;
+#: dp=2 x tp=2 plans SDPA each token — the tiny model's 4/2 GQA heads do not split in whole groups over 4 devices,
+#: so the rule offers no head signature and the matcher moves heads to the batch, a decision that is not free)
+MAX_NEW_LENGTH_PLANS = {"single": 0, "tp=2": 0, "dp=2": 0, "cp=2": 0}
 TOKENS = 8
 
 
@@ -55,11 +56,13 @@ def _generate(model: Any, ids: torch.Tensor, **kw: Any) -> tuple[Any, list[int]]
     return out, [b - a for a, b in zip(marks.marks, marks.marks[1:], strict=False)]
 
 
-@pytest.mark.parametrize("axes", [{}, {"tp": 2}], ids=["single", "tp=2"])
+@pytest.mark.parametrize(
+    "axes", [{}, {"tp": 2}, {"dp": 2}, {"cp": 2}], ids=["single", "tp=2", "dp=2", "cp=2"]
+)
 def test_full_plans_per_decoded_token(axes: dict[str, int]) -> None:
     model = parallelize_llama(fresh_model(), make_mesh(axes))
     torch_model = fresh_model()
-    bound = MAX_NEW_LENGTH_PLANS["tp=2" if axes else "single"]
+    bound = MAX_NEW_LENGTH_PLANS[",".join(f"{k}={v}" for k, v in axes.items()) or "single"]
     warm = torch.randint(3, SIZES.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
     _generate(model, warm)  # plans the prefill and the first lengths
     for length in (13, 29):  # lengths no earlier call reached

@@ -23,11 +23,12 @@ Cost: ``sdpa_cost`` (``2·B·H·L·S·(E+Ev)``, halved when causal).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from torch_dtorch.graph import Operand, OperatorCost
+from torch_dtorch.graph import Operand, OperatorCost, TensorMeta
 from torch_dtorch.ops.cost import sdpa_cost
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
@@ -40,7 +41,8 @@ from torch_dtorch.placement_rules.families.context_parallel import (
     run_context_parallel,
 )
 from torch_dtorch.placement_rules.families.normalization import groups_split_evenly
-from torch_dtorch.placement_rules.rule import register_rule
+from torch_dtorch.placement_rules.growth import bucket, stride_class
+from torch_dtorch.placement_rules.rule import Growth, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
 __all__ = ["sdpa_signatures"]
@@ -144,6 +146,37 @@ def _cost(call: OpCall) -> OperatorCost:
     )
 
 
+def _growth_key(call: OpCall) -> Any:
+    """The key length ``S`` (``k``/``v`` dim -2, the mask's last dim) bucketed, everything else exact: the
+    signatures look at batch and head dims and the query length, the matcher's empty-shard test at ``S`` (context
+    parallel signature); the output ``[..., L, Ev]`` does not depend on ``S`` (``growth.py``). ``None`` unless
+    ``k`` and ``v`` have one ``S`` and the mask's last dim is 1 or ``S`` (other calls: torch's errors)."""
+    q, k, v, mask = _qkv(call)
+    mesh = call.mesh
+    if mesh is None or min(q.ndim, k.ndim, v.ndim) < 2 or q.stride is None:
+        return None
+    s = k.shape[-2]
+    if v.shape[-2] != s:
+        return None
+
+    def grown(x: Operand, d: int) -> tuple[Any, ...]:
+        shape = list(x.shape)
+        shape[d] = bucket(shape[d], mesh)
+        return (tuple(shape), stride_class(x.shape, x.stride))
+
+    mkey: Any = None
+    if mask is not None:
+        if mask.ndim == 0 or mask.shape[-1] not in (1, s):
+            return None
+        mkey = (mask.shape[-1] == 1 and s != 1, *grown(mask, mask.ndim - 1))
+    return (q.shape, q.stride, grown(k, k.ndim - 2), grown(v, v.ndim - 2), mkey)
+
+
+def _grown_meta(call: OpCall, kept: Sequence[TensorMeta]) -> list[TensorMeta] | None:
+    """The kept output (its shape is ``q``'s and ``v``'s, which the key holds)."""
+    return list(kept)
+
+
 @register_rule(
     aten.scaled_dot_product_attention.default,
     family="attention",
@@ -151,6 +184,7 @@ def _cost(call: OpCall) -> OperatorCost:
     check=_check,
     kernel=_kernel,
     cost=_cost,
+    growth=Growth(_growth_key, _grown_meta),
 )
 def scaled_dot_product_attention(call: OpCall) -> list[PlacementSignature]:
     """Batch/head dims (GQA when heads split in whole groups), query sequence, value features, linear in v."""

@@ -30,7 +30,9 @@ cat-dim lengths bucketed (``min(length, max(2, largest mesh axis))``: what the m
 and derives the output's metadata by arithmetic. A decision is kept only when it is independent of those lengths:
 on every axis the inputs already match, or the chosen redistributes are all free (``R -> S`` slices). Then every
 other candidate's cost is zero at every length or positive at every length, and the tie-breaks (empty shards, moves,
-partial outputs, order) see only the key, so the matcher would choose the same at any length.
+partial outputs, order) see only the key, so the matcher would choose the same at any length. The same key is
+the rule's growth key (:meth:`CatRule.growth_key`, ``placement_rules/growth.py``): the eager fast path derives a
+growing cat's template from it without planning at all (``device/fastpath_grow.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch_dtorch.placement import Placement, Placements, Replicate, Shard, loca
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.families.comm import device_comm, exchange, register_comm_kernel
 from torch_dtorch.placement_rules.families.view import distinct_partials, norm_dim
+from torch_dtorch.placement_rules.growth import bucket, contiguous_strides, free_decision, is_contiguous
 from torch_dtorch.placement_rules.matcher import Match
 from torch_dtorch.placement_rules.rule import OpPlan, OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
@@ -268,23 +271,6 @@ _DECISIONS_SIZE = 4096
 decision_stats = {"hit": 0, "miss": 0, "kept": 0}
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
-
-
-def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    acc = 1
-    for i in range(len(shape) - 1, -1, -1):
-        if stride[i] != acc:
-            return False
-        acc *= max(shape[i], 1)
-    return True
-
-
 class _Growth:
     """A cat call's decision key and what a kept decision's plan needs (the output shape), from one pass over the
     inputs; ``key`` is ``None`` when the decision cache does not handle the call (symbolic sizes, unknown
@@ -292,9 +278,7 @@ class _Growth:
 
     __slots__ = ("key", "out_shape", "bytes_read")
 
-    def __init__(
-        self, call: OpCall, policy: RedistributePolicy, prefer: tuple[Placements, ...] | None
-    ) -> None:
+    def __init__(self, call: OpCall) -> None:
         self.key: tuple[Any, ...] | None = None
         self.out_shape: list[int] = []
         self.bytes_read = 0
@@ -306,7 +290,6 @@ class _Growth:
         if nd == 0:
             return
         dim = norm_dim(dim_arg, nd)
-        cap = max(2, *mesh.shape)
         slots: list[Any] = []
         total, some_kept = 0, False
         for x, pl in zip(call.inputs, call.placements, strict=True):
@@ -325,28 +308,14 @@ class _Growth:
                 self.out_shape = list(shape)
             total += n
             self.bytes_read += math.prod(shape) * x.dtype.itemsize
-            bucketed = (*shape[:dim], min(n, cap), *shape[dim + 1 :])
-            slots.append((bucketed, None if _is_contiguous(shape, stride) else stride, x.dtype, pl))
+            bucketed = (*shape[:dim], bucket(n, mesh), *shape[dim + 1 :])
+            slots.append((bucketed, None if is_contiguous(shape, stride) else stride, x.dtype, pl))
         if not self.out_shape:
             return
         self.out_shape[dim] = total
         # the idle pattern is in the key: lengths of 0 are kept exactly by the buckets, ``some_kept`` says whether
         # the idle rule applies at all
-        self.key = (mesh, dim, tuple(slots), some_kept, policy, prefer)
-
-
-def _free_decision(call: OpCall, m: Match) -> bool:
-    """On every axis the chosen signature's inputs are the current placements or reached by a free move (from
-    Replicate, or on an axis of size 1): the decision does not depend on the inputs' sizes (module docstring)."""
-    mesh = call.mesh
-    assert mesh is not None
-    for pl, tgt in zip(call.placements, m.in_targets, strict=True):
-        if pl is None or tgt is None:
-            continue
-        for a, (src, dst) in enumerate(zip(pl, tgt, strict=True)):
-            if src != dst and type(src) is not Replicate and mesh.shape[a] > 1:
-                return False
-    return True
+        self.key = (mesh, dim, tuple(slots), some_kept)
 
 
 class CatRule(OpRule):
@@ -371,28 +340,42 @@ class CatRule(OpRule):
     ) -> OpPlan:
         """:meth:`OpRule.plan`, with a growing cat's decision kept across lengths (module docstring)."""
         policy = policy if policy is not None else get_config().redistribute
-        growth = _Growth(call, policy, prefer_outputs)
-        key = growth.key
+        growth = _Growth(call)
+        key = None if growth.key is None else (growth.key, policy, prefer_outputs)
         if key is not None:
             kept = _DECISIONS.get(key)
             if kept is not None:
                 decision_stats["hit"] += 1
                 m, dtype, assign = kept
                 shape = tuple(growth.out_shape)
-                meta = TensorMeta(shape, dtype, _contiguous_strides(shape))
+                meta = TensorMeta(shape, dtype, contiguous_strides(shape))
                 call.out_meta = [meta]
                 written = math.prod(shape) * dtype.itemsize
                 return OpPlan(call.out_meta, m, assign, OperatorCost(0, growth.bytes_read, written))
         decision_stats["miss"] += 1
         plan = super().plan(call, policy=policy, prefer_outputs=prefer_outputs)
-        if key is not None and _free_decision(call, plan.match):
+        if key is not None and free_decision(call, plan.match):
             meta = plan.out_meta[0]
-            if meta.stride is not None and _is_contiguous(meta.shape, meta.stride):
+            if meta.stride is not None and is_contiguous(meta.shape, meta.stride):
                 if len(_DECISIONS) >= _DECISIONS_SIZE:
                     _DECISIONS.clear()
                 _DECISIONS[key] = (plan.match, meta.dtype, plan.assign)
                 decision_stats["kept"] += 1
         return plan
+
+    def growth_key(self, call: OpCall) -> Any:
+        """The decision cache's key (module docstring): the cat-dim lengths bucketed, the rest exact."""
+        return _Growth(call).key
+
+    def grown_meta(self, call: OpCall, kept: Sequence[TensorMeta]) -> list[TensorMeta] | None:
+        """A contiguous result of the summed lengths (only where the kept one was contiguous: torch keeps an
+        input memory format otherwise)."""
+        growth = _Growth(call)
+        meta = kept[0]
+        if growth.key is None or meta.stride is None or not is_contiguous(meta.shape, meta.stride):
+            return None
+        shape = tuple(growth.out_shape)
+        return [TensorMeta(shape, meta.dtype, contiguous_strides(shape))]
 
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if cat_comm_axes(call):

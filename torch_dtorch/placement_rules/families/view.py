@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from torch_dtorch.graph import OperatorCost
+from torch_dtorch.graph import OperatorCost, TensorMeta
 from torch_dtorch.placement import Placement, Placements, Replicate, Shard, chunk_size_and_offset, is_partial
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
-from torch_dtorch.placement_rules.rule import register_rule
+from torch_dtorch.placement_rules.growth import bucket
+from torch_dtorch.placement_rules.rule import Growth, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
 __all__ = ["VIEW_OPS", "distinct_partials", "norm_dim", "reshape_dim_pairs", "set_arg"]
@@ -361,13 +362,43 @@ def expand_as(call: OpCall) -> list[PlacementSignature]:
     return _build(call, _expand_pairs(_in_shape(call), call.out_meta[0].shape))
 
 
-@_view(aten.slice.Tensor)
+def _slice_full(call: OpCall, shape: Sequence[int], dim: int) -> bool:
+    start, end, step = call.arg("start"), call.arg("end"), call.arg("step")
+    return start in (None, 0) and (end is None or end >= shape[dim]) and step == 1
+
+
+def _slice_growth_key(call: OpCall) -> Any:
+    """The signatures see the rank, the sliced dim, whether the slice is full and (through the matcher's
+    empty-shard test) the bucketed lengths: a growing ``ids[:, -1:]`` reuses its decision (``growth.py``)."""
+    x = call.inputs[0]
+    step = call.arg("step")
+    if x is None or call.mesh is None or x.ndim == 0 or type(step) is not int or step < 1:
+        return None
+    shape = x.shape
+    dim = norm_dim(call.arg("dim"), len(shape))
+    return (dim, _slice_full(call, shape, dim), tuple(bucket(n, call.mesh) for n in shape))
+
+
+def _slice_grown_meta(call: OpCall, kept: Sequence[TensorMeta]) -> list[TensorMeta] | None:
+    """torch's ``slice``: the dim's length from the clamped range, its stride times ``step``."""
+    x = call.inputs[0]
+    assert x is not None
+    start, end, step = call.arg("start"), call.arg("end"), call.arg("step")
+    if x.stride is None or not all(v is None or type(v) is int for v in (start, end)):
+        return None
+    shape, stride = list(x.shape), list(x.stride)
+    dim = norm_dim(call.arg("dim"), len(shape))
+    shape[dim] = len(range(*slice(start, end, step).indices(shape[dim])))
+    stride[dim] *= step
+    return [TensorMeta(tuple(shape), kept[0].dtype, tuple(stride))]
+
+
+@_view(aten.slice.Tensor, growth=Growth(_slice_growth_key, _slice_grown_meta))
 def slice_(call: OpCall) -> list[PlacementSignature]:
     """Every dim but the sliced one; a full slice (``x[:, :]``) keeps that one too."""
     shape = _in_shape(call)
     dim = norm_dim(call.arg("dim"), len(shape))
-    start, end, step = call.arg("start"), call.arg("end"), call.arg("step")
-    full = start in (None, 0) and (end is None or end >= shape[dim]) and step == 1
+    full = _slice_full(call, shape, dim)
     return _build(call, [(d, d) for d in range(len(shape))] if full else _all_but(len(shape), dim))
 
 
