@@ -49,6 +49,8 @@ def step_figures(step: Any, sync: Any, mesh: Any) -> dict[str, Any]:
     ]
     sync()
     general = sum((Counter(w.general) for w in workers), Counter())
+    guard = constructor.memory
+    settles = guard.settles if guard is not None else 0
     hits, misses, planned = fastpath.stats["hit"], fastpath.stats["miss"], constructor.num_planned
     step()
     sync()
@@ -58,6 +60,8 @@ def step_figures(step: Any, sync: Any, mesh: Any) -> dict[str, Any]:
         "misses": fastpath.stats["miss"] - misses,
         "planned": constructor.num_planned - planned,
         "worker_general": dict(after - general) if workers else None,
+        # the memory check's settles (flush, wait for the workers and their GPU queue) in the step
+        "settles": (guard.settles - settles) if guard is not None else None,
     }
 
 
@@ -168,8 +172,8 @@ def _run(
     log.info("ratio dtorch / torch = %.3f (H200 target <= 1.05)", result["ratio"])
     log.info("bit-identical: %s", identical)
     log.info(
-        "per dtorch step: %d fast-path hits, %d misses, %d calls planned in full",
-        figures["hits"], figures["misses"], figures["planned"],
+        "per dtorch step: %d fast-path hits, %d misses, %d calls planned in full, %s memory-check settles",
+        figures["hits"], figures["misses"], figures["planned"], figures["settles"],
     )  # fmt: skip
     if figures["worker_general"] is not None:
         log.info(

@@ -100,3 +100,36 @@ def test_planned_outputs_that_fit_do_not_fail_while_the_workers_are_busy(
     assert guard.settles >= 1
     for y, k in outs:
         torch.testing.assert_close(dt.to_torch(y), a[:, : 128 - k] * 2.0)
+
+
+@pytest.mark.parametrize("with_progress", [True, False])
+def test_finished_batches_are_forgotten_without_settling(with_progress: bool) -> None:
+    """Hits whose outputs die, while the workers never look idle (a GPU worker with a long queue): the bytes of
+    batches every worker has run show in the live figure, so they are forgotten (``progress``) instead of piling
+    up until the check settles -- which drains the GPU. Without progress the same loop settles."""
+    mesh = dt.init_device_mesh("cpu", (2,))
+    x = dt.distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)])
+    (x + 1).full_tensor()
+    dt.sync()
+    ex = dt.device.state.get_session().executor
+    runner = ex.runner
+    limit = _live_bytes() + 8 * 64 * 64 * 4  # room for 8 outputs of x + 1 (both shards)
+    guard = MemoryGuard(
+        [MemoryPool("fake RAM", tuple(mesh.devices), lambda: limit - _live_bytes())],
+        margin=0.0,
+        idle=lambda: False,
+        settle=ex.sync,
+        progress=runner.finished_batches if with_progress else None,
+    )
+    old = ex.constructor.memory
+    ex.constructor.memory = guard
+    try:
+        for _ in range(40):  # 40 outputs' bytes planned in all, 1 alive at a time
+            y = x + 1
+            del y
+            ex.flush()
+            assert runner.wait_idle(10)
+        assert (guard.settles == 0) if with_progress else (guard.settles >= 1)
+        assert runner.finished_batches() == runner.batches
+    finally:
+        ex.constructor.memory = old

@@ -373,6 +373,9 @@ class EagerGraphExecutor:
         batch, self._pending = self._pending, []
         self.num_flushes += 1
         self.runner.submit(batch)
+        guard = self.constructor.memory
+        if guard is not None:
+            guard.flushed(getattr(self.runner, "batches", 0))
 
     def sync(self, timeout: float | None = None) -> None:
         """Flush and wait until every worker has run everything issued so far (a barrier round trip)."""

@@ -19,6 +19,8 @@ What is checked (on the planning path: every call the eager fast path has not ca
   workers are busy with the earlier work, so never seen idle), so where a call does not fit while bytes are planned,
   the check **settles** first -- flushes, frees the dead tensors, waits for the workers -- and fails only if a fresh
   figure does not allow it either (a stream of weight uploads to a busy GPU raised falsely before, 2026-12-06).
+  In thread mode the bytes planned before a batch every worker has run are forgotten at the next figure
+  (:meth:`MemoryGuard.flushed`): a busy GPU worker is never idle, and settling drains its queue.
 
 Fast-path hits (a call the eager fast path replays) are checked too, cheaply: the plan knows its new bytes per pool
 (outputs that are not views, redistributed input copies), worked out at its first hit; each hit adds them to the
@@ -36,6 +38,7 @@ tensor stay usable.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -65,6 +68,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MARGIN = 0.1
 #: a free-memory figure younger than this is reused for allocations under a quarter of it
 _FIGURE_TTL_S = 0.2
+#: batches whose planned bytes are remembered (:meth:`MemoryGuard.flushed`); older ones are forgotten later
+_MAX_MARKS = 256
 
 
 def _env_margin() -> float:
@@ -181,6 +186,8 @@ class MemoryGuard:
         pools: the memory pools of the runner's devices.
         margin: fraction of a pool's free memory kept back (default ``DTORCH_MEMORY_MARGIN``).
         idle: whether the workers ran everything sent so far (then nothing planned is still unallocated).
+        progress: how many submitted batches every worker has run (the runner's ``finished_batches``): the bytes
+            planned before a finished batch are allocated, so a live figure shows them (see :meth:`flushed`).
         settle: flush, free the dead tensors and wait until the workers ran everything (the executor's ``sync``):
             where :meth:`check` finds too little room while bytes are planned but maybe not yet allocated, it
             settles, so the free figure is the whole truth, and checks once more before it fails.
@@ -193,11 +200,16 @@ class MemoryGuard:
         margin: float | None = None,
         idle: Callable[[], bool] | None = None,
         settle: Callable[[], None] | None = None,
+        progress: Callable[[], int] | None = None,
     ) -> None:
         self.pools = tuple(pools)
         self.margin = _env_margin() if margin is None else margin
         self._idle = idle
         self._settle = settle
+        self._progress = progress
+        #: (batch number, planned bytes per pool when that batch was submitted): once every worker has run that
+        #: batch, its allocations show in a live free figure and those bytes are forgotten (:meth:`flushed`)
+        self._marks: collections.deque[tuple[int, tuple[int, ...]]] = collections.deque()
         self._pool_of = {d: i for i, p in enumerate(self.pools) for d in p.devices}
         #: per pool, bytes planned since the free figure last showed them (a fast-path hit adds to it inline:
         #: ``EagerGraphExecutor.record_fast``; the list is only ever changed in place)
@@ -246,6 +258,7 @@ class MemoryGuard:
             self.settles += 1
             self.planned_bytes[:] = [0] * len(self.pools)
             self._sizes.clear()
+            self._marks.clear()
             self._last_free = [(None, 0.0)] * len(self.pools)
             short = self._short(need)
             if short is not None:
@@ -331,6 +344,7 @@ class MemoryGuard:
             self.settles += 1
             self.planned_bytes[:] = [0] * len(self.pools)
             self._sizes.clear()
+            self._marks.clear()
             self._admit(mem, settled=True, what=what)
 
     def _admit(self, mem: HitBytes, *, settled: bool, what: str = "") -> bool:
@@ -362,6 +376,50 @@ class MemoryGuard:
                 if any(self.planned_bytes[i] for i, _ in counted):
                     self._sizes[operand_id] = counted
 
+    def flushed(self, batch: int) -> None:
+        """The executor submitted batch number ``batch`` (the runner's count): every byte planned so far is in it
+        or an earlier one. Once the workers ran it (``progress() >= batch``), a live figure shows those bytes, and
+        :meth:`_refresh` forgets them without waiting for the workers to be idle: a GPU worker with a long queue
+        is never idle, and a stream of hits whose outputs die (every eager step) would otherwise pile up planned
+        bytes until the executor settles, draining the GPU. Thread mode's figures are live; process mode's are
+        reports (forgotten per report)."""
+        if self._progress is None:
+            return
+        planned = self.planned_bytes
+        if not any(planned):
+            return
+        with self._lock:
+            if len(self._marks) >= _MAX_MARKS:
+                self._marks.popleft()  # (forgetting later is safe: it only settles sooner)
+            self._marks.append((batch, tuple(planned)))
+
+    def _forget_finished(self) -> None:
+        """Forget the bytes planned before the newest batch every worker has run (callers hold the lock). Each mark is the planned total at its batch, so the newest finished mark is what
+        the figure shows by now; later marks keep what was planned after it."""
+        if self._progress is None or not self._marks:
+            return
+        done = self._progress()
+        base: tuple[int, ...] | None = None
+        marks = self._marks
+        while marks and marks[0][0] <= done:
+            base = marks.popleft()[1]
+        if base is None:
+            return
+        planned = self.planned_bytes
+        for i, pool in enumerate(self.pools):
+            if pool.generation is None and base[i]:
+                planned[i] = max(0, planned[i] - base[i])
+        self._marks = collections.deque(
+            (
+                b,
+                tuple(
+                    max(0, m[i] - base[i]) if self.pools[i].generation is None else m[i]
+                    for i in range(len(m))
+                ),
+            )
+            for b, m in marks
+        )
+
     def _refresh(self) -> None:
         """Forget the planned bytes the free figures show by now (callers hold the lock)."""
         live_idle: bool | None = None
@@ -376,10 +434,15 @@ class MemoryGuard:
             else:
                 if live_idle is None:
                     live_idle = self._idle is not None and self._idle()
+                    if not live_idle:
+                        self._forget_finished()
                 if live_idle:
                     self.planned_bytes[i] = 0
+        if live_idle:
+            self._marks.clear()
         if not any(self.planned_bytes):
             self._sizes.clear()
+            self._marks.clear()
 
     def planned(self) -> dict[str, int]:
         """Bytes planned per pool that its free figure may not show yet (diagnostics)."""
@@ -397,9 +460,13 @@ class MemoryGuard:
             return
         with self._lock:
             pop = self._sizes.pop
+            lowered = False
             for oid in operand_ids:
                 for i, n in pop(oid, ()):
                     self.planned_bytes[i] = max(0, self.planned_bytes[i] - n)
+                    lowered = True
+            if lowered:  # a mark taken before counts these bytes: subtracting it later would under-count
+                self._marks.clear()
 
     def _error(
         self,
@@ -477,4 +544,5 @@ def memory_guard_for(
             for d in devices:
                 by_gpu.setdefault(int(torch_devices[d].index or 0), []).append(d)
             pools = [MemoryPool(f"cuda:{i}", tuple(ds), _cuda_free(i)) for i, ds in sorted(by_gpu.items())]
-    return MemoryGuard(pools, idle=idle, settle=settle)
+    progress = getattr(runner, "finished_batches", None)
+    return MemoryGuard(pools, idle=idle, settle=settle, progress=progress if callable(progress) else None)

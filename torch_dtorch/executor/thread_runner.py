@@ -58,6 +58,8 @@ class ThreadRunner:
         self.world = InMemoryWorld(self.devices)
         self.store = MemoryTensorStore()
         self.board = PoisonBoard()
+        #: batches submitted so far (:meth:`finished_batches` counts the ones every worker has run)
+        self.batches = 0
         self.streams: dict[int, KernelStream] = {}
         self.workers: dict[int, Worker] = {}
         one_gpu = device_type == "cuda" and len(set(self.torch_devices.values())) == 1
@@ -98,9 +100,15 @@ class ThreadRunner:
             if self._closed:
                 raise RuntimeError("ThreadRunner: submit after shutdown()")
             batch = tuple(batch)
+            self.batches += 1
             for d in self.devices:
                 worker = self.workers[d]
                 self.streams[d].submit(_BatchRun(worker, batch))
+
+    def finished_batches(self) -> int:
+        """How many of the batches submitted so far every worker has run (``batches`` counts the submitted ones;
+        each worker's stream runs one closure per batch)."""
+        return min(s.done for s in self.streams.values())
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every worker has run everything submitted so far (tests, benchmarks)."""

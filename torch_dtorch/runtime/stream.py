@@ -76,6 +76,11 @@ class KernelStream:
             self._submitted += 1
         self._queue.put(fn)
 
+    @property
+    def done(self) -> int:
+        """How many submitted closures have run (or were dropped at close)."""
+        return self._done
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every closure submitted so far has run (does not wait for CUDA kernels to finish)."""
         with self._idle:
