@@ -27,8 +27,8 @@ The recipes (ATen ``Dropout.cpp``):
   and decompose (with or without grad) into ``empty_like`` / ``new_empty`` + ``bernoulli_`` + pointwise ops:
   ``bernoulli_`` is already drawn on the controller (``random_inplace``), so they equal CPU torch as they are.
 
-Every other call (``train=False``, ``p`` 0 or 1, an empty input, a call under a dispatch mode such as
-``torch.compile``'s tracing) goes to the generic kernel (the rule: the identity, or ``x * 0`` for ``p = 1``).
+Every other call (``train=False``, ``p`` 0 or 1 for ``dropout``, an empty input, a call under a dispatch mode such
+as ``torch.compile``'s tracing) goes to the generic kernel (the rule: the identity, or ``x * 0`` for ``p = 1``).
 Compiled programs run the rules' worker-side draw (see docs/training.md "Dropout").
 """
 
@@ -52,7 +52,12 @@ aten = torch.ops.aten
 
 def _draws(x: Any, train: bool | None) -> bool:
     """Whether a real eager call (not one traced under a dispatch mode) of a non-empty input trains."""
-    return (train is None or bool(train)) and isinstance(x, torch.Tensor) and x.numel() > 0 and not dispatch_mode_depth()
+    return (
+        (train is None or bool(train))
+        and isinstance(x, torch.Tensor)
+        and x.numel() > 0
+        and not dispatch_mode_depth()
+    )
 
 
 def _bernoulli_like(x: torch.Tensor, p: float, dtype: torch.dtype | None = None) -> tuple[Any, torch.Tensor]:
@@ -60,7 +65,9 @@ def _bernoulli_like(x: torch.Tensor, p: float, dtype: torch.dtype | None = None)
     and strides, ``empty_like``'s preserve-format layout, so the draw order is torch's), with ``x``'s operand."""
     rt = get_session()
     operand = TABLE.lookup(x, rt.generation)
-    like = torch.empty_strided(operand.shape, operand.stride or (), dtype=dtype or operand.dtype, device="meta")
+    like = torch.empty_strided(
+        operand.shape, operand.stride or (), dtype=dtype or operand.dtype, device="meta"
+    )
     return operand, torch.empty_like(like, device=controller_device(rt)).bernoulli_(1 - p)
 
 
@@ -101,14 +108,21 @@ def native_dropout_kernel(generic: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def dropout_autograd(default: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``AutogradPrivateUse1`` kernel of ``aten.dropout``: under grad, CPU torch's unfused path ``x * noise``
-    recorded by autograd (see the module docstring); ``default`` otherwise (the whole op, or torch's decomposition,
-    which for ``p`` 0 or 1 never reaches ``native_dropout``)."""
+    """The ``AutogradPrivateUse1`` kernel of ``aten.dropout``: under grad, ATen's ``_dropout_impl`` — ``x`` itself
+    without training (or for ``p = 0``, an empty ``x``), ``x * 0`` for ``p = 1``, else CPU torch's unfused path
+    ``x * noise`` recorded by autograd (see the module docstring). Without grad, or for a bad ``p`` (the rule's
+    error), ``default``. (torch's Python decomposition of ``dropout``, which ``default`` runs under grad, would call
+    ``native_dropout`` for ``p = 1``, which draws: CPU torch's ``dropout`` does not.)"""
 
     def kernel(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         grad = torch.is_grad_enabled() and isinstance(input, torch.Tensor) and input.requires_grad
-        if not (grad and 0.0 < float(p) < 1.0 and _draws(input, train)):
+        if not (grad and 0.0 <= float(p) <= 1.0) or dispatch_mode_depth():
             return default(input, p, train)
+        if not train or float(p) == 0.0 or input.numel() == 0:
+            return input
+        if float(p) == 1.0:
+            zero = torch.zeros((), dtype=input.dtype, device=input.device)
+            return input * zero
         with torch.no_grad():
             noise = controller_noise(input, float(p))
         out: torch.Tensor = input * noise
