@@ -17,9 +17,10 @@ the random stream equal torch's under the same seed:
   a ``set_rng_state`` / ``manual_seed`` between the two changes their draw.
 
 So the dtorch device generator *is* the controller device's default generator, and these functions delegate to
-it: ``fork_rng`` over the dtorch device saves and restores exactly the stream dtorch draws from. Limit: in process
-(cluster) mode the worker processes' own generators are not part of that state (``set_rng_state`` does not
-rewind them); worker-drawn ops are then not replayed by ``fork_rng`` (docs/training.md "Dropout").
+it: ``fork_rng`` over the dtorch device saves and restores exactly the stream dtorch draws from. In process
+(cluster) mode ``manual_seed``, ``set_rng_state`` and ``seed`` also set the worker processes' generators to the
+new state (``device/worker_rng.py``), so worker-drawn ops agree across ranks and follow the seed; the controller's
+generator does not advance by their draws (docs/training.md "Dropout").
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch_dtorch.device.dispatch import controller_device, dispatch_op, wrap
 from torch_dtorch.device.state import get_session, session_or_none
 from torch_dtorch.device.tensors import TABLE, is_dtorch
 from torch_dtorch.device.transfer import fetch
+from torch_dtorch.device.worker_rng import sync_worker_rng
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement import Replicate, Shard, is_partial, is_shard
 
@@ -71,7 +73,9 @@ def get_rng_state(device: Any = None) -> torch.Tensor:
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
-    _generator().set_state(new_state)
+    gen = _generator()
+    gen.set_state(new_state)
+    sync_worker_rng(session_or_none(), gen)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
@@ -84,7 +88,9 @@ def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
 
 
 def manual_seed(seed: int) -> None:
-    _generator().manual_seed(int(seed))
+    gen = _generator()
+    gen.manual_seed(int(seed))
+    sync_worker_rng(session_or_none(), gen)  # (``torch.manual_seed`` calls ``manual_seed_all``)
 
 
 def manual_seed_all(seed: int) -> None:
@@ -92,7 +98,9 @@ def manual_seed_all(seed: int) -> None:
 
 
 def seed() -> None:
-    _generator().seed()
+    gen = _generator()
+    gen.seed()
+    sync_worker_rng(session_or_none(), gen)
 
 
 def seed_all() -> None:
