@@ -3,7 +3,7 @@ eager and compiled, in thread and process mode (compiled on processes: not the g
 
 Regressions these catch: with an input that requires grad, torch's decomposition of ``dropout`` takes the fused
 ``native_dropout`` path for PrivateUse1 tensors, which had no rule (eager training with ``nn.Dropout`` failed);
-``device/dropout_grad.py`` now runs CPU torch's unfused path. ``torch.compile`` captures ``native_dropout`` whatever
+``device/dropout.py`` now runs CPU torch's unfused path. ``torch.compile`` captures ``native_dropout`` whatever
 the device (torch's Python decomposition of ``dropout``), which now has a rule drawing CPU torch's mask."""
 
 from __future__ import annotations

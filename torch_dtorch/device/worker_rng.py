@@ -68,7 +68,10 @@ def sync_worker_rng(rt: Session | None, generator: torch.Generator) -> None:
     if rt is None or rt.mode != "process":
         return
     executor: Any = rt.executor  # (an instruction of this layer, as the backend's and the tools' are)
-    executor.append_instruction(SyncWorkerRng(bytes(generator.get_state().numpy())))
+    try:
+        executor.append_instruction(SyncWorkerRng(bytes(generator.get_state().numpy())))
+    except RuntimeError:  # a pool shut down meanwhile: ``torch.manual_seed`` itself must not fail
+        log.debug("no worker processes to seed", exc_info=True)
 
 
 def _register_codec() -> None:
