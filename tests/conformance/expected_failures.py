@@ -36,16 +36,8 @@ EXPECTED_FAILURES: dict[str, str] = {
     "to_sparse": "sparse layouts are not supported by dtorch tensors",
 }
 
-_WORKER_RNG = (
-    "WRONG: dropout with p > 0 draws its mask on the workers from the generator state they find when they run, not "
-    "the state when the op was recorded: OpInfo's freeze_rng_state (or a manual_seed / set_rng_state) between "
-    "recording and running changes the mask (placement_rules/creation.py draw_global; to fix: draw at record time)"
-)
-
 MORE_SAMPLES_FAILURES: dict[str, str] = {
     "addr": "WRONG (1 ulp): sample 2 on the 1-device mesh is not bit-identical (relative 1.3e-6); to be investigated",
-    "nn.functional.dropout": _WORKER_RNG,
-    "nn.functional.multi_head_attention_forward": _WORKER_RNG,
     "nn.functional.scaled_dot_product_attention": "dropout_p > 0 is refused with a typed NotImplementedError",
     "normal.number_mean": "no rule yet: aten.normal.Tensor_float (a random op)",
 }

@@ -18,7 +18,7 @@ from torch_dtorch._compat import (
 )
 from torch_dtorch.device import binding, dispatch, fastpath, rng
 from torch_dtorch.device.attention_grad import sdpa_autograd
-from torch_dtorch.device.dropout_grad import dropout_autograd
+from torch_dtorch.device.dropout import dropout_autograd, dropout_kernel, native_dropout_kernel
 from torch_dtorch.device.rng import install_rng_functions
 from torch_dtorch.device.special_overloads import (
     RESTRIDE_INPLACE,
@@ -67,6 +67,8 @@ _SPECIAL = {
     aten.empty_strided.default,
     aten.as_strided.default,
     aten.multinomial.default,
+    aten.dropout.default,
+    aten.native_dropout.default,
 }
 
 
@@ -314,6 +316,9 @@ _SPECIAL_KERNELS = {
     aten.empty_strided.default: _empty_strided,
     aten.as_strided.default: _as_strided,
     aten.multinomial.default: rng.multinomial,  # drawn on the controller (device/rng.py)
+    # the noise drawn on the controller (device/dropout.py), the rest through the rule
+    aten.dropout.default: dropout_kernel(_generic(aten.dropout.default)),
+    aten.native_dropout.default: native_dropout_kernel(_generic(aten.native_dropout.default)),
 }
 
 
@@ -378,7 +383,7 @@ def ensure_registered() -> None:
                 lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), "AutogradPrivateUse1")
                 continue
             if op is aten.dropout.default:
-                # training draws CPU torch's unfused noise (torch's decomposition would take native_dropout)
+                # training draws CPU torch's unfused noise on the controller (torch's decomposition: native_dropout)
                 lib.impl(_schema_name(op), dropout_autograd(_autograd(op)), "AutogradPrivateUse1")
                 continue
             if not isinstance(op, str) and has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd"):

@@ -9,16 +9,18 @@ the random stream equal torch's under the same seed:
 - ``multinomial`` (sampling: HF ``generate(do_sample=True)``) is drawn on the controller too: ``probs`` is fetched
   (one ``[batch, vocab]`` row block per call), sampled with torch's own ``multinomial`` and the indices uploaded —
   so thread and process mode both equal torch (:func:`multinomial`);
-- ops drawn by the workers (``dropout``, ...) replay that generator's state (``placement_rules/creation.py``,
-  ``draw_global``); in thread mode the workers share the controller's process and advance the same generator.
-  Known gap: they read the state when they *run*, not when the op was recorded, so a ``set_rng_state`` /
-  ``manual_seed`` (``fork_rng``, ``freeze_rng_state``) between the two changes their draw (listed WRONG in
-  ``tests/conformance/expected_failures.py``).
+- ``dropout`` / ``native_dropout`` in eager mode are drawn on the controller too (``device/dropout.py``), so a
+  ``set_rng_state`` / ``manual_seed`` (``fork_rng``, ``freeze_rng_state``) right after the call does not change them;
+- ops drawn by the workers (``native_dropout`` in compiled programs) replay that generator's state
+  (``placement_rules/creation.py``, ``draw_global``); in thread mode the workers share the controller's process
+  and advance the same generator. Known gap: they read the state when they *run*, not when the call was issued, so
+  a ``set_rng_state`` / ``manual_seed`` between the two changes their draw.
 
 So the dtorch device generator *is* the controller device's default generator, and these functions delegate to
-it: ``fork_rng`` over the dtorch device saves and restores exactly the stream dtorch draws from. Limit: in process
-(cluster) mode the worker processes' own generators are not part of that state (``set_rng_state`` does not
-rewind them); worker-drawn ops are then not replayed by ``fork_rng``.
+it: ``fork_rng`` over the dtorch device saves and restores exactly the stream dtorch draws from. In process
+(cluster) mode ``manual_seed``, ``set_rng_state`` and ``seed`` also set the worker processes' generators to the
+new state (``device/worker_rng.py``), so worker-drawn ops agree across ranks and follow the seed; the controller's
+generator does not advance by their draws (docs/training.md "Dropout").
 """
 
 from __future__ import annotations
@@ -33,9 +35,18 @@ from torch_dtorch.device.dispatch import controller_device, dispatch_op, wrap
 from torch_dtorch.device.state import get_session, session_or_none
 from torch_dtorch.device.tensors import TABLE, is_dtorch
 from torch_dtorch.device.transfer import fetch
+from torch_dtorch.device.worker_rng import sync_worker_rng
+from torch_dtorch.graph import Operand
 from torch_dtorch.placement import Replicate, Shard, is_partial, is_shard
 
-__all__ = ["RANDOM_INPLACE_OPS", "RNG_FUNCTIONS", "install_rng_functions", "multinomial", "random_inplace"]
+__all__ = [
+    "RANDOM_INPLACE_OPS",
+    "RNG_FUNCTIONS",
+    "install_rng_functions",
+    "multinomial",
+    "random_inplace",
+    "upload_like",
+]
 
 
 def _controller_device() -> torch.device:
@@ -62,7 +73,9 @@ def get_rng_state(device: Any = None) -> torch.Tensor:
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
-    _generator().set_state(new_state)
+    gen = _generator()
+    gen.set_state(new_state)
+    sync_worker_rng(session_or_none(), gen)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
@@ -75,7 +88,9 @@ def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
 
 
 def manual_seed(seed: int) -> None:
-    _generator().manual_seed(int(seed))
+    gen = _generator()
+    gen.manual_seed(int(seed))
+    sync_worker_rng(session_or_none(), gen)  # (``torch.manual_seed`` calls ``manual_seed_all``)
 
 
 def manual_seed_all(seed: int) -> None:
@@ -83,7 +98,9 @@ def manual_seed_all(seed: int) -> None:
 
 
 def seed() -> None:
-    _generator().seed()
+    gen = _generator()
+    gen.seed()
+    sync_worker_rng(session_or_none(), gen)
 
 
 def seed_all() -> None:
@@ -145,15 +162,20 @@ def random_inplace(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> to
         torch.Tensor, lambda t: fetch(t).to(dev) if is_dtorch(t) else t, (args, kwargs)
     )
     op(value, *host_args, **host_kwargs)
-    if x.mesh is None:
-        src = wrap(rt, binding.defer_upload(rt, value))
-    else:
-        placements = [p if not is_partial(p) else Replicate() for p in x.placements]
-        operand = rt.executor.input(tuple(value.shape), x.mesh, placements, dtype=value.dtype)
-        rt.executor.upload(operand, value.contiguous())
-        src = wrap(rt, operand)
-    dispatch_op(torch.ops.aten.copy_.default, (self, src), {})
+    dispatch_op(torch.ops.aten.copy_.default, (self, upload_like(x, value)), {})
     return self
+
+
+def upload_like(x: Operand, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (drawn on the controller, ``x``'s global shape) as a dtorch tensor in ``x``'s placements — a
+    ``Partial`` axis becomes ``Replicate`` (one draw for every part) — or unbound like ``x``."""
+    rt = get_session()
+    if x.mesh is None:
+        return wrap(rt, binding.defer_upload(rt, value))
+    placements = [p if not is_partial(p) else Replicate() for p in x.placements]
+    operand = rt.executor.input(tuple(value.shape), x.mesh, placements, dtype=value.dtype)
+    rt.executor.upload(operand, value.contiguous())
+    return wrap(rt, operand)
 
 
 def multinomial(

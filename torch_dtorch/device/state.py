@@ -13,6 +13,7 @@ import torch
 from torch_dtorch.config import MODES, get_config
 from torch_dtorch.device import binding
 from torch_dtorch.device.tensors import TABLE
+from torch_dtorch.device.worker_rng import sync_worker_rng
 from torch_dtorch.errors import DTorchError, MeshError
 from torch_dtorch.executor.eager import EagerGraphExecutor
 from torch_dtorch.executor.runner import Runner
@@ -139,6 +140,8 @@ def start_session(
                 device_type, 0
             )  # values come back where the controller computes
         _SESSION = Session(device_type, num_devices, simulate, executor, _GENERATION, mode=mode)
+        if device_type == "cpu":  # worker processes start from the controller's generator, not their own
+            sync_worker_rng(_SESSION, torch.default_generator)
         _free_callback(_SESSION)  # the native table learns the new generation now (its cached templates go)
         return _SESSION
 

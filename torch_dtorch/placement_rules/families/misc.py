@@ -18,15 +18,20 @@ Signatures (one mesh axis):
   without training it is the identity). With ``train=True`` and ``0 < p < 1`` every rank draws the GLOBAL noise
   tensor exactly as CPU torch does (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``) from the shared generator
   state (:func:`~torch_dtorch.placement_rules.families.creation.draw_global`; O(global numel) per rank) and multiplies its
-  slice, so results and the generator state equal single-device CPU torch under the same seed.
+  slice, so results and the generator state equal single-device CPU torch under the same seed (where the workers
+  draw from the controller's generator: thread mode; worker processes follow it only from the last seed, see
+  ``device/worker_rng.py``).
 - ``native_dropout`` (``(output, mask)``; what torch's decomposition of ``dropout`` calls for accelerator tensors,
   and what ``torch.compile`` captures for ``F.dropout`` in training): ``S(d) -> S(d), S(d)``,
   ``P(sum|avg) -> P, R``. It draws CPU torch's ``native_dropout`` mask (the global
   ``empty_like(input).bernoulli_(1 - p)``, same generator use as ``dropout``) and returns
   ``input.mul(mask).mul_(1 / (1 - p))`` as CPU's kernel does — equal to CPU ``torch.native_dropout`` bit for bit;
   equal to CPU ``F.dropout`` (which scales by ``noise.div_(1 - p)`` in float32) where ``float32(1 / (1 - p))`` equals
-  ``1 / float32(1 - p)`` (``p = 0.1``, ``0.2``, ``0.5`` do; ``p = 0.025`` does not: 1 ulp). Eager training does not
-  reach it: ``device/dropout_grad.py`` runs ``dropout`` with grad as CPU's unfused path.
+  ``1 / float32(1 - p)`` (``p = 0.1``, ``0.2``, ``0.5`` do; ``p = 0.025`` does not: 1 ulp).
+- Eager calls of both do not draw here: ``device/dropout.py`` draws their noise on the controller (in process mode
+  the workers' generators are not the controller's) and records pointwise ops; what reaches these kernels is
+  compiled programs, the calls that draw nothing (``train=False``, ``p = 0`` / ``1`` of ``dropout``, empty inputs)
+  and the plain-torch simulator. The noise has ``empty_like(input)``'s layout (preserve format), as in torch.
 - ``one_hot(num_classes)``: ``S(d) -> S(d)`` for the input dims. ``num_classes=-1`` (the global max + 1, a
   data-dependent size) raises ``NotImplementedError``.
 
@@ -170,6 +175,12 @@ def fill(call: OpCall) -> list[PlacementSignature]:
     return [sig([Shard(d), *value], Shard(d)) for d in range(x.ndim)]
 
 
+def _empty_like(x: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty_like`` of the global operand ``x`` (its shape and preserve-format strides) on ``device``."""
+    like = torch.empty_strided(x.shape, x.stride or (), dtype=dtype, device="meta")
+    return torch.empty_like(like, device=device)
+
+
 def _dropout_draws(call: OpCall) -> bool:
     """Whether the call draws random numbers (training with ``0 < p < 1``); otherwise it is the op itself."""
     x, p = call.arg("input"), float(call.arg("p"))
@@ -183,8 +194,7 @@ def _dropout_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwar
         return call.op(*args, **kwargs)  # no random numbers are drawn
 
     def draw(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=local.device)
-        return noise.bernoulli_(1 - p, generator=gen)
+        return _empty_like(x, x.dtype, local.device).bernoulli_(1 - p, generator=gen)
 
     # the output has the input's placements: the rank's block of the output is its block of the input
     return local * rank_slice(draw_global(call, ctx, draw), ctx).div_(1 - p)
@@ -211,12 +221,11 @@ def _native_dropout_kernel(
         return out, mask.to(call.out_meta[1].dtype)
 
     def draw(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.empty_strided(x.shape, x.stride or (), dtype=x.dtype, device=local.device)
-        return noise.bernoulli_(1 - p, generator=gen)
+        return _empty_like(x, torch.bool, local.device).bernoulli_(1 - p, generator=gen)
 
     mask = rank_slice(draw_global(call, ctx, draw), ctx, 1)
     scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
-    return local.mul(mask).mul_(scale), mask.to(torch.bool)
+    return local.mul(mask).mul_(scale), mask
 
 
 def _check_dropout(call: OpCall) -> None:
