@@ -50,7 +50,7 @@ test: venv lint
 
 # The whole eager suite with one worker process per device (cluster mode) instead of threads (~4 min on 2 cores).
 test-process: venv
-	DTORCH_TEST_MODE=process $(PY) -m pytest -q tests/eager tests/cluster
+	DTORCH_TEST_MODE=process $(PY) -m pytest -q -n 2 tests/eager tests/cluster tests/training
 
 cov: venv
 	$(VENV)/bin/coverage run -m pytest -q
