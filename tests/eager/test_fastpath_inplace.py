@@ -148,10 +148,23 @@ def test_scalar_tensor_argument_and_unbound_self() -> None:
         assert x.mul_(s) is x
         ref.mul_(s)
     torch.testing.assert_close(x.full_tensor(), ref)
-    for _ in range(3):  # an unbound self (made without a mesh) is materialized by the full path
+    hits = 0
+    for _ in range(3):  # an unbound self (made without a mesh) is materialized, written and rebound
         u = torch.zeros(4, 4, device=x.device)
-        assert u.add_(x) is u
+        v = u.view(16)
+        out, h, _ = _hits(lambda: u.add_(x))
+        hits += h
+        assert out is u
+        assert u.placements == (Shard(0),) or u.placements == (Replicate(),)
         torch.testing.assert_close(u.full_tensor(), ref)
+        torch.testing.assert_close(v.full_tensor(), ref.view(16))  # an alias of the storage is rebound too
+    assert hits >= 2
+    with mesh:  # both unbound (autograd's zeros in a backward): the mesh in sight
+        for _ in range(3):
+            a0 = torch.ones(2, 3, device=x.device)
+            b0 = torch.full((2, 3), 2.0, device=x.device)
+            assert a0.add_(b0) is a0
+            torch.testing.assert_close(a0.full_tensor(), torch.full((2, 3), 3.0))
 
 
 @pytest.mark.skipif(TEST_MODE == "process", reason="patches the rule's kernel in this process's workers")

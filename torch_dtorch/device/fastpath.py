@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from torch_dtorch.device import dispatch, fastpath_grow, state
+from torch_dtorch.device import binding, dispatch, fastpath_grow, state
 from torch_dtorch.device.fastpath_keys import (
     SCALAR,
     bind_unbound,
@@ -114,8 +114,6 @@ class FastOp:
                 if (
                     x.mesh is None
                 ):  # bound below, as the full path binds it (``torch.arange(n, device=x.device)``)
-                    if i == self.written:
-                        return MISS  # the full path materializes it and rebinds the caller's tensor
                     if unbound is None:
                         unbound = []
                     unbound.append((i, len(key), x))
@@ -146,6 +144,28 @@ class FastOp:
             first = bind_unbound(rt, first, unbound, key, targs)
         if first is None:
             return MISS
+        if unbound is not None and self.written is not None:
+            w = self.written
+            for p, _, x in unbound:
+                if p == w:  # an unbound self: materialized above; a hit writes there and rebinds the caller's tensor
+                    out = self._hit_or_record(rt, key, kwargs, args, targs, i, scalars)
+                    if out is not MISS:
+                        dispatch.rebind(rt, args[w], targs[w])
+                        binding.forget(x)  # its controller-side value is not needed any more
+                    return out
+        return self._hit_or_record(rt, key, kwargs, args, targs, i, scalars)
+
+    def _hit_or_record(
+        self,
+        rt: Any,
+        key: list[Any],
+        kwargs: dict[str, Any],
+        args: tuple[Any, ...],
+        targs: list[Any],
+        i: int,
+        scalars: list[tuple[int, Tensor]] | None,
+    ) -> Any:
+        """:meth:`__call__` once the call is keyed (``i``: its positional argument count)."""
         tpl = self._lookup(key, kwargs)
         if tpl is MISS:
             return MISS
