@@ -152,7 +152,7 @@ def test_scalar_tensor_argument_and_unbound_self() -> None:
     for _ in range(3):  # an unbound self (made without a mesh) is materialized, written and rebound
         u = torch.zeros(4, 4, device=x.device)
         v = u.view(16)
-        out, h, _ = _hits(lambda: u.add_(x))
+        out, h, _ = _hits(lambda u=u: u.add_(x))  # type: ignore[misc]
         hits += h
         assert out is u
         assert u.placements == (Shard(0),) or u.placements == (Replicate(),)

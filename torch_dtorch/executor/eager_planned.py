@@ -111,7 +111,7 @@ class PlannedRecorder:
             out0 = plan.out0
             w = plan.written
             if w is not None:  # in place: the output is the written input (checked by the fast path)
-                outs = [inputs[w]]  # type: ignore[list-item]
+                outs: list[Operand] = [inputs[w]]  # type: ignore[list-item]
                 g._next_operand = oid
             elif out0 is not None:
                 shape, dtype, mesh, pl, stride, fp = out0
