@@ -147,7 +147,8 @@ class FastOp:
         if unbound is not None and self.written is not None:
             w = self.written
             for p, _, x in unbound:
-                if p == w:  # an unbound self: materialized above; a hit writes there and rebinds the caller's tensor
+                # an unbound self: materialized above; a hit writes there and rebinds the caller's tensor
+                if p == w:
                     out = self._hit_or_record(rt, key, kwargs, args, targs, i, scalars)
                     if out is not MISS:
                         dispatch.rebind(rt, args[w], targs[w])
@@ -333,7 +334,9 @@ class FastOp:
         if last.op is not self.op or rule.output_is_input != self.written:
             return out
         if self.written is not None and (
-            self.written in last.moved or outputs[0] is not last.inputs[self.written] or out is not args[self.written]
+            self.written in last.moved
+            or outputs[0] is not last.inputs[self.written]
+            or out is not args[self.written]
         ):
             return out  # (an in-place op whose write moved: never, its ``self`` is pinned; kept out all the same)
         n = len(targs)
