@@ -1,6 +1,7 @@
 """Eager end to end per op for the two worker hot-path gaps of issue 20, in ONE run: an op whose inputs repeat
 (``x = (x * x).sqrt()``: both ops take one operand twice or once) and a per-step 0-d CPU scalar
-(``x = x * t + b`` with ``t = torch.tensor(...)`` new every step, a diffusion timestep), against plain torch.
+(``x = x * t + b`` with ``t = torch.tensor(...)`` new every step, a diffusion timestep), and in-place ops
+(``x.add_(b); x.sub_(b)``: the fast path of in-place ops), against plain torch.
 
 Each cell is the median µs per aten op of ``--repeat`` chains of ``--ops`` ops (``dt.sync()`` included), with the
 calls planned in full per op (``GraphConstructor.num_planned``) and, in thread mode, the ops the workers ran on
@@ -46,7 +47,11 @@ def steps(x0: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], None]]:
         t = torch.tensor(_SCALES[count[0] % len(_SCALES)])  # a new 0-d CPU tensor every step
         box[0] = box[0] * t + b
 
-    return {"x*x": repeated, "x*t (0-d CPU)": scalar}
+    def in_place() -> None:  # two in-place ops (the values stay put)
+        box[0].add_(b)
+        box[0].sub_(b)
+
+    return {"x*x": repeated, "x*t (0-d CPU)": scalar, "x.add_(b) (in place)": in_place}
 
 
 def dtorch_cells(n: int, mode: str, *, ops: int, repeat: int) -> dict[str, tuple[float, float, float]]:

@@ -95,20 +95,6 @@ def test_requires_grad_flows_on_replay() -> None:
         assert not operand_of(w + w).requires_grad
 
 
-def test_in_place_ops_take_the_full_path() -> None:
-    mesh = init_mesh((2,))
-    a = torch.randn(4, 4)
-    x = dt.distribute_tensor(a.clone(), mesh, [Shard(0)])
-    assert fastpath.fast_op(aten.add_.Tensor) is None
-    for _ in range(3):
-        _, delta = _stats_delta(lambda: x.add_(1.0))
-        assert delta["hit"] == 0
-    torch.testing.assert_close(dt.to_torch(x), a + 3.0)
-    s = torch.tensor(2.0)  # a 0-d CPU tensor (tests/eager/test_fastpath_gaps.py: its fast path)
-    for _ in range(2):
-        torch.testing.assert_close(dt.to_torch(x * s), (a + 3.0) * 2.0)
-
-
 def test_constants_never_collide_with_layouts_or_other_types() -> None:
     """A cached template is keyed by input layout ids (ints) and constants: ``x + x`` must not serve
     ``x + float(layout id of x)``, nor ``i + 1`` serve ``i + 1.0`` or ``i + True`` (different promotion)."""

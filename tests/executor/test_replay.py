@@ -287,3 +287,52 @@ def test_tensor_lists_and_reductions_run_in_the_native_loop(mesh: dt.DeviceMesh)
     dt.sync()
     assert torch.equal(out.full_tensor(), step(a0, b0))
     assert _chains_ran() - before == 40 * mesh.size()
+
+
+def _general() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for w in get_session().executor.runner.workers.values():
+        for k, v in w.general.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def test_a_view_resolves_to_reshape_and_shares_the_shards_storage() -> None:
+    """``view``'s kernel is ``reshape`` locally (a view where the shard's strides allow, else a copy): the resolved
+    call runs ``reshape``, so a viewable shard's output aliases it exactly as the general path's does."""
+    x = Operand(1, (8, 4), torch.float32, None, None, None, None, [], None, None, False, None, None)
+    for op in (aten.view.default, aten._unsafe_view.default):
+        call = OpCall(op, (x, [32]), {}, [x], None, [None])
+        call.out_meta = get_rule(op).infer_meta(call)
+        ctx = LocalContext(
+            device=0, coordinate=(), in_shapes=[(8, 4)], out_shapes=[(32,)], out_offsets=[(0,)]
+        )
+        local = resolve(get_rule(op), call, ctx)
+        assert isinstance(local, LocalCall) and local.op is aten.reshape.default
+        t = torch.randn(8, 4)
+        out = local.run([t])[0]
+        assert out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        strided = torch.randn(4, 8).t()  # not viewable as [32]: a copy, as the general path's fallback
+        torch.testing.assert_close(local.run([strided])[0], strided.reshape(32))
+
+
+def test_views_and_in_place_ops_replay_on_the_workers(mesh: dt.DeviceMesh) -> None:
+    """Views, ``squeeze.dim`` and in-place ops (fast-path hits) are replayed, not run on the general path; a
+    replayed view shares its base's shard, so an in-place write into the base shows through it."""
+    a = torch.randn(6, 1, 4)
+    x = dt.distribute_tensor(a.clone(), mesh, [Shard(0)])
+    y = dt.distribute_tensor(torch.ones(6, 1, 4), mesh, [Shard(0)])
+    ref = a.clone()
+    for _ in range(3):
+        v = x.view(6, 4)
+        s = x.squeeze(1)
+        x.add_(y)
+        x.mul_(2.0)
+        ref.add_(1.0).mul_(2.0)
+    dt.sync()
+    general = _general()
+    for name in ("aten.view", "aten.squeeze.dim", "aten.add_.Tensor", "aten.mul_.Tensor"):
+        assert general.get(name, 0) <= 2, (name, general)  # the first (full-path) calls only
+    torch.testing.assert_close(v.full_tensor(), ref.view(6, 4))
+    torch.testing.assert_close(s.full_tensor(), ref.squeeze(1))
+    torch.testing.assert_close(x.full_tensor(), ref)

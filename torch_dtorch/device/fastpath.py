@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from torch_dtorch.device import dispatch, fastpath_grow, state
+from torch_dtorch.device import binding, dispatch, fastpath_grow, state
 from torch_dtorch.device.fastpath_keys import (
     SCALAR,
     bind_unbound,
@@ -53,7 +53,7 @@ _LEARNED.tpl = None
 class FastOp:
     """The fast path of one overload (see the module docstring)."""
 
-    __slots__ = ("op", "slot_pos", "dense", "cache", "grown", "kind", "view_of", "list_pos")
+    __slots__ = ("op", "slot_pos", "dense", "cache", "grown", "kind", "view_of", "list_pos", "written")
 
     def __init__(
         self,
@@ -63,8 +63,12 @@ class FastOp:
         view_of: int | None,
         *,
         list_pos: int | None = None,
+        written: int | None = None,
     ) -> None:
         self.op = op
+        #: the positional slot an in-place op writes (``x.add_(y)``: 0), whose tensor a hit returns; ``None``: the
+        #: op makes new outputs
+        self.written = written
         #: the position of the op's one tensor argument when it is a ``Tensor[]`` (``cat``, ``stack``): a call is
         #: keyed by the layout of every element (see :meth:`_call_list`)
         self.list_pos = list_pos
@@ -96,7 +100,7 @@ class FastOp:
                 e = entry(a)
                 if e is None:
                     # a plain 0-d CPU tensor (a timestep, a scale): keyed by its dtype, its value uploaded per call
-                    if a.device.type != "cpu" or a.dim() != 0 or a.requires_grad:
+                    if a.device.type != "cpu" or a.dim() != 0 or a.requires_grad or i == self.written:
                         return MISS
                     if scalars is None:
                         scalars = []
@@ -140,6 +144,29 @@ class FastOp:
             first = bind_unbound(rt, first, unbound, key, targs)
         if first is None:
             return MISS
+        if unbound is not None and self.written is not None:
+            w = self.written
+            for p, _, x in unbound:
+                # an unbound self: materialized above; a hit writes there and rebinds the caller's tensor
+                if p == w:
+                    out = self._hit_or_record(rt, key, kwargs, args, targs, i, scalars)
+                    if out is not MISS:
+                        dispatch.rebind(rt, args[w], targs[w])
+                        binding.forget(x)  # its controller-side value is not needed any more
+                    return out
+        return self._hit_or_record(rt, key, kwargs, args, targs, i, scalars)
+
+    def _hit_or_record(
+        self,
+        rt: Any,
+        key: list[Any],
+        kwargs: dict[str, Any],
+        args: tuple[Any, ...],
+        targs: list[Any],
+        i: int,
+        scalars: list[tuple[int, Tensor]] | None,
+    ) -> Any:
+        """:meth:`__call__` once the call is keyed (``i``: its positional argument count)."""
         tpl = self._lookup(key, kwargs)
         if tpl is MISS:
             return MISS
@@ -185,7 +212,15 @@ class FastOp:
     def _hit(
         self, rt: Any, tpl: Template, args: tuple[Any, ...], targs: list[Any], inputs: list[Operand | None]
     ) -> Any:
-        """Record one hit of ``tpl`` and make its output tensors."""
+        """Record one hit of ``tpl`` and make its output tensors (an in-place op's: the tensor it writes)."""
+        w = self.written
+        if w is not None:
+            if not writes_reach_base(targs[w]):
+                return MISS  # the full path raises its error
+            rt.executor.record_fast(tpl.plan, tuple(targs), inputs)
+            stats["hit"] += 1
+            rt.last_mesh = tpl.mesh
+            return args[w]
         outs = rt.executor.record_fast(tpl.plan, tuple(targs), inputs)
         stats["hit"] += 1
         rt.last_mesh = tpl.mesh
@@ -296,8 +331,14 @@ class FastOp:
         if last is None or last is before:
             return out
         call, rule, outputs = last.call, last.rule, last.outputs
-        if last.op is not self.op or rule.output_is_input is not None:
+        if last.op is not self.op or rule.output_is_input != self.written:
             return out
+        if self.written is not None and (
+            self.written in last.moved
+            or outputs[0] is not last.inputs[self.written]
+            or out is not args[self.written]
+        ):
+            return out  # (an in-place op whose write moved: never, its ``self`` is pinned; kept out all the same)
         n = len(targs)
         if self.list_pos is not None:
             expected = list(targs[self.list_pos])
@@ -330,7 +371,7 @@ class FastOp:
             owner=self,
             targs=targs,
         )
-        if alt is not None and rule.view_of is None and fresh_dense(outputs):
+        if alt is not None and rule.view_of is None and self.written is None and fresh_dense(outputs):
             self.cache[alt] = tpl  # (the stride pattern's key: see _pattern_key)
         fastpath_grow.keep(self.grown, rt, rule, call, last.plan, outputs, key)
         _LEARNED.tpl = tpl
@@ -339,6 +380,29 @@ class FastOp:
 
 
 _FAST: dict[Any, FastOp | None] = {}
+
+
+def _in_place_ok(schema: Any, written: int | None, rule: Any, nrets: int) -> bool:
+    """An in-place op the fast path serves: it writes exactly its positional argument ``written`` (``Tensor(a!)``),
+    returns that one tensor, and its rule pins it (a plan never moves the written input, so its placements stay)."""
+    if written is None or nrets != 1 or rule.view_of is not None or written not in rule.pinned_inputs:
+        return False
+    args = schema.arguments
+    if written >= len(args) or args[written].kwarg_only:
+        return False
+    writes = [k for k, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+    return writes == [written]
+
+
+def writes_reach_base(x: Operand) -> bool:
+    """A write into ``x`` lands in its base: no view on the way up is of a redistributed copy (the full path's
+    ``_check_write_reaches_base`` raises otherwise)."""
+    b = x.base
+    while b is not None:
+        if b.copy_of is not None:
+            return False
+        b = b.base
+    return True
 
 
 def _rule_changed(op: Any) -> None:
@@ -357,7 +421,8 @@ add_rule_listener(_rule_changed)
 
 def fast_op(op: Any) -> FastOp | None:
     """The :class:`FastOp` of ``op``, or ``None`` when ``op`` always takes the full path (random ops, in-place
-    ops, ops with tensor-list arguments or several outputs of unknown structure)."""
+    ops other than those that write their one pinned positional ``self``, ops with tensor-list arguments or several
+    outputs of unknown structure)."""
     if op in _FAST:
         return _FAST[op]
     fast: FastOp | None = None
@@ -374,9 +439,9 @@ def fast_op(op: Any) -> FastOp | None:
             kind = "list" if str(rets[0].type) == "List[Tensor]" else "single"
         else:
             kind = "tuple"
+        written = rule.output_is_input
         ok = (
-            rule.output_is_input is None
-            and not schema.is_mutable
+            (written is None and not schema.is_mutable or _in_place_ok(schema, written, rule, len(rets)))
             and (list_pos is not None or all(pos is not None and not is_list for pos, _, is_list in specs))
             and all(str(r.type) in ("Tensor", "List[Tensor]") for r in rets)
         )
@@ -387,6 +452,7 @@ def fast_op(op: Any) -> FastOp | None:
                 kind,
                 rule.view_of,
                 list_pos=list_pos,
+                written=written,
             )
     _FAST[op] = fast
     return fast

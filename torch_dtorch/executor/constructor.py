@@ -431,8 +431,13 @@ def planned_outputs(
     call: OpCall,
     out_specs: Sequence[tuple[TensorMeta, DeviceMesh | None, Placements]],
 ) -> list[Operand]:
-    """The output operands of a planned call (views keep their base; ``requires_grad`` follows the inputs)."""
+    """The output operands of a planned call (views keep their base; ``requires_grad`` follows the inputs; an
+    in-place op's output is the input it writes)."""
     inputs = call.inputs
+    if rule.output_is_input is not None:
+        written = inputs[rule.output_is_input]
+        assert written is not None
+        return [written]
     grad = False
     for x in inputs:
         if x is not None and x.requires_grad:

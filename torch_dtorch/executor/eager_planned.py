@@ -109,7 +109,11 @@ class PlannedRecorder:
             first = g._next_operand
             oid = first + plan.nmoves
             out0 = plan.out0
-            if out0 is not None:
+            w = plan.written
+            if w is not None:  # in place: the output is the written input (checked by the fast path)
+                outs: list[Operand] = [inputs[w]]  # type: ignore[list-item]
+                g._next_operand = oid
+            elif out0 is not None:
                 shape, dtype, mesh, pl, stride, fp = out0
                 grad = False
                 if fp:

@@ -96,6 +96,7 @@ class FastPlan:
         "compact",
         "nmoves",
         "out0",
+        "written",
         "args_of",
         "mem",
     )
@@ -127,6 +128,9 @@ class FastPlan:
         self.nmoves = len(self.moves)
         #: the only output's spec (single-output ops, the common case, skip the list building)
         self.out0 = self.outs[0] if len(self.outs) == 1 else None
+        #: the input slot an in-place op writes (its one output *is* that input: no new operand, no new bytes);
+        #: ``None``: the outputs are new operands
+        self.written = rule.output_is_input
         #: ``inputs -> positional args`` for runs recorded without their args (the native fast path's hits: the
         #: cache key fixes every constant, so only the tensor inputs vary); set by the fast path's template
         self.args_of: Callable[[list[Operand | None]], tuple[Any, ...]] | None = None
@@ -146,7 +150,9 @@ class FastPlan:
 
     def outputs(self, first_id: int, inputs: Sequence[Operand | None]) -> list[Operand]:
         """New output operands ``first_id, first_id + 1, ...`` (views keep their base; ``requires_grad`` follows
-        the inputs)."""
+        the inputs; an in-place op's output is the input it writes)."""
+        if self.written is not None:
+            return [inputs[self.written]]  # type: ignore[list-item]
         grad = False
         for x in inputs:
             if x is not None and x.requires_grad:

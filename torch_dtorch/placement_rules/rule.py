@@ -198,6 +198,11 @@ class OpRule:
         from what a fast-path plan fixes (constants, layouts, the rank's shapes)."""
         return self.kernel_is_op(call.op)
 
+    def local_op(self, call: OpCall) -> Any:
+        """The overload a call that :meth:`runs_op_as_is` runs on the localized arguments: the call's own (the
+        default), or the one the rule's kernel runs instead (``squeeze.dim`` runs as ``squeeze.dims``)."""
+        return call.op
+
     def assign(self, call: OpCall) -> AssignInfo:
         devices = tuple(call.mesh.devices) if call.mesh is not None else ()
         return AssignInfo(devices, self.stream)
@@ -284,6 +289,12 @@ class FunctionRule(OpRule):
             assert self._as_is is not None
             return self._as_is(call)
         return self.kernel_is_op(call.op)
+
+    def local_op(self, call: OpCall) -> Any:
+        # a declared kernel that runs another overload says which (``kernel.local_op``: see ``_kernel_as``)
+        if self._declared():
+            return getattr(self._declared_kernel, "local_op", call.op)
+        return call.op
 
     def cost(self, call: OpCall) -> OperatorCost:
         if self._cost is not None:

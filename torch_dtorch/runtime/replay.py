@@ -117,9 +117,12 @@ def resolve(rule: Any, call: OpCall, ctx: LocalContext, *, native: bool = False)
     place) with the shards of the inputs put in their slots. ``None`` when the general local path is needed for every
     call of this op and layout, :data:`AMBIGUOUS` when this call alone cannot be resolved. ``native``: also resolve it
     for the native loop (``LocalCall.native``)."""
-    op, inputs = call.op, call.inputs
+    inputs = call.inputs
     if not rule.runs_op_as_is(call, ctx):
         return None
+    op = rule.local_op(
+        call
+    )  # (``view`` runs as ``reshape``: a view where the shard's strides allow, as its kernel)
     given = [x for x in inputs if x is not None]
     if len({id(x) for x in given}) != len(given):
         distinct = _distinct(call)

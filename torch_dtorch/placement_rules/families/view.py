@@ -91,8 +91,18 @@ def _build(call: OpCall, pairs: Pairs) -> list[PlacementSignature]:
 
 
 def _kernel_as(op: Any) -> Callable[[OpCall, LocalContext, tuple[Any, ...], dict[str, Any]], Any]:
-    """A kernel that runs ``op`` on the localized arguments instead of the call's own overload."""
-    return lambda call, ctx, args, kwargs: op(*args, **kwargs)
+    """A kernel that runs ``op`` on the localized arguments instead of the call's own overload (its ``local_op``:
+    workers resolve such calls to ``op`` and replay them, ``OpRule.local_op``)."""
+
+    def kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return op(*args, **kwargs)
+
+    kernel.local_op = op  # type: ignore[attr-defined]
+    return kernel
+
+
+def _always(call: OpCall) -> bool:
+    return True
 
 
 def _view(*ops: Any, **kw: Any) -> Callable[[Any], Any]:
@@ -206,7 +216,17 @@ def _view_or_reshape(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwa
         return x.reshape(size)
 
 
-@_view(aten.view.default, aten._unsafe_view.default, localize=_localize_size("size"), kernel=_view_or_reshape)
+# exactly ``reshape``: a view where the strides allow one (sharing the shard's storage), else a copy
+_view_or_reshape.local_op = aten.reshape.default  # type: ignore[attr-defined]
+
+
+@_view(
+    aten.view.default,
+    aten._unsafe_view.default,
+    localize=_localize_size("size"),
+    kernel=_view_or_reshape,
+    as_is=_always,
+)
 def view(call: OpCall) -> list[PlacementSignature]:
     """Row-major reshape; a shard survives only where every rank's block maps onto its output chunk."""
     return _reshape_signatures(call)
@@ -329,6 +349,7 @@ def _squeezed(call: OpCall) -> list[int]:
     aten.squeeze.dims,
     localize=lambda call, ctx: ((call.arg("self"), _squeezed(call)), {}),
     kernel=_kernel_as(aten.squeeze.dims),
+    as_is=_always,
 )
 def squeeze(call: OpCall) -> list[PlacementSignature]:
     """Removes global size-1 dims (never sharded); runs locally as ``squeeze.dims`` on exactly those dims."""
