@@ -30,6 +30,8 @@ either, the executor **settles** -- flushes, frees the dead tensors and waits un
 the figure shows exactly what is alive -- and checks once more (:meth:`MemoryGuard.settle`), failing only then. A
 loop whose outputs die therefore never fails; one that keeps them fails in the call that would not fit.
 
+The pools, their free figures and the shard byte counts live in :mod:`torch_dtorch.executor.memory_pools`.
+
 What is **not** checked: kernels' own temporary workspace, the compile backend's programs, and remote CPU workers
 (no figure until one is reported).
 ``DTORCH_MEMORY_CHECK=0`` turns the check off. Nothing is queued when the check fails: the mesh and every other
@@ -41,16 +43,25 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from torch_dtorch.errors_oom import DeviceMemoryError
+from torch_dtorch.executor.memory_pools import (
+    MemoryPool,
+    check_enabled,
+    cuda_free_bytes,
+    env_margin,
+    gib,
+    host_available_bytes,
+    operand_bytes,
+    pool_free_of_cuda,
+    shard_bytes,
+)
 from torch_dtorch.graph import Operand
-from torch_dtorch.placement import Shard, local_shape_and_offset, placements_str
+from torch_dtorch.placement import placements_str
 
 __all__ = [
     "HitBytes",
@@ -64,99 +75,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MARGIN = 0.1
 #: a free-memory figure younger than this is reused for allocations under a quarter of it
 _FIGURE_TTL_S = 0.2
 #: batches whose planned bytes are remembered (:meth:`MemoryGuard.flushed`); older ones are forgotten later
 _MAX_MARKS = 256
-
-
-def _env_margin() -> float:
-    raw = os.environ.get("DTORCH_MEMORY_MARGIN", "").strip()
-    if not raw:
-        return DEFAULT_MARGIN
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"DTORCH_MEMORY_MARGIN={raw!r} is not a number (a fraction such as 0.1)") from None
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"DTORCH_MEMORY_MARGIN={raw!r} must be in [0, 1)")
-    return value
-
-
-def check_enabled() -> bool:
-    return os.environ.get("DTORCH_MEMORY_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` of this host (``/proc/meminfo``), in bytes; ``None`` where it cannot be read."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _gib(n: float) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if abs(n) >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{int(n)} B"
-
-
-@dataclass(frozen=True)
-class MemoryPool:
-    """Memory shared by ``devices`` (one host's RAM, one GPU); ``free()`` is its free bytes (``None``: unknown,
-    not checked). A live figure (``generation=None``: read now) already shows what the workers allocated, so the
-    planned bytes are forgotten once the workers are idle; a reported one (a worker process's last report) shows
-    what they had allocated when it was sent, so the planned bytes are forgotten when ``generation()`` changes
-    (a new report)."""
-
-    name: str
-    devices: tuple[int, ...]
-    free: Callable[[], int | None]
-    generation: Callable[[], int] | None = None
-
-
-def operand_bytes(x: Operand) -> dict[int, int]:
-    """Bytes of ``x``'s local shard on each device of its mesh (nothing for an unbound operand)."""
-    if x.mesh is None:
-        return {}
-    return shard_bytes(x.shape, x.dtype, x.mesh.root, x.root_placements)
-
-
-_SHARD_BYTES: dict[Any, tuple[Any, dict[int, int]]] = {}
-_SHARD_BYTES_MAX = 4096
-
-
-def shard_bytes(shape: Sequence[int], dtype: Any, root: Any, root_placements: Any) -> dict[int, int]:
-    """Bytes of the local shard on each device of ``root`` (a root mesh) of a ``dtype`` tensor of global
-    ``shape`` laid out as ``root_placements`` (cached: the caller must not modify the result)."""
-    key = (tuple(shape), dtype, id(root), tuple(root_placements))
-    hit = _SHARD_BYTES.get(key)
-    if hit is not None and hit[0] is root:  # the same mesh, not a new one at a reused address
-        return hit[1]
-    item = dtype.itemsize
-    out: dict[int, int] = {}
-    if all(not isinstance(p, Shard) for p in root_placements):
-        n = item
-        for s in shape:
-            n *= s
-        out = dict.fromkeys(root.devices, n)
-    else:
-        for d, c in root.coordinates():
-            n = item
-            for s in local_shape_and_offset(tuple(shape), root.shape, root_placements, c)[0]:
-                n *= s
-            out[d] = n
-    if len(_SHARD_BYTES) >= _SHARD_BYTES_MAX:
-        _SHARD_BYTES.clear()
-    _SHARD_BYTES[key] = (root, out)
-    return out
 
 
 class HitBytes:
@@ -203,7 +125,7 @@ class MemoryGuard:
         progress: Callable[[], int] | None = None,
     ) -> None:
         self.pools = tuple(pools)
-        self.margin = _env_margin() if margin is None else margin
+        self.margin = env_margin() if margin is None else margin
         self._idle = idle
         self._settle = settle
         self._progress = progress
@@ -482,12 +404,12 @@ class MemoryGuard:
             mine = {d: n for d, n in per.items() if d in pool.devices}
             if mine:
                 each = sorted(set(mine.values()))
-                per_dev = _gib(each[0]) if len(each) == 1 else f"{_gib(each[0])} to {_gib(each[-1])}"
+                per_dev = gib(each[0]) if len(each) == 1 else f"{gib(each[0])} to {gib(each[-1])}"
                 lines.append(f"    {x}: {per_dev} per device on devices {sorted(mine)}")
-        pending = f" + {_gib(planned)} planned and not yet allocated" if planned else ""
+        pending = f" + {gib(planned)} planned and not yet allocated" if planned else ""
         return DeviceMemoryError(
             f"{what}: not enough memory on {pool.name} (devices {list(pool.devices)}): the new tensors need "
-            f"{_gib(need)}{pending}, {_gib(free)} is free and {self.margin:.0%} of it is kept back "
+            f"{gib(need)}{pending}, {gib(free)} is free and {self.margin:.0%} of it is kept back "
             f"(DTORCH_MEMORY_MARGIN).\n"
             + "\n".join(lines)
             + "\nNothing was sent; the mesh and every other tensor "
@@ -498,25 +420,6 @@ class MemoryGuard:
             free_bytes=free,
             pool=pool.name,
         )
-
-
-def cuda_free_bytes(device: Any) -> int:
-    """Free bytes of a CUDA device for this process: what the driver reports free plus what PyTorch's caching
-    allocator holds reserved but unused (it hands that out again before asking the driver)."""
-    import torch
-
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(torch.cuda.mem_get_info(device)[0]) + max(0, int(cached))
-
-
-def _cuda_free(index: int) -> Callable[[], int | None]:
-    def free() -> int | None:
-        try:
-            return cuda_free_bytes(index)
-        except Exception:  # noqa: BLE001 - no figure: not checked
-            return None
-
-    return free
 
 
 def memory_guard_for(
@@ -543,6 +446,8 @@ def memory_guard_for(
             by_gpu: dict[int, list[int]] = {}
             for d in devices:
                 by_gpu.setdefault(int(torch_devices[d].index or 0), []).append(d)
-            pools = [MemoryPool(f"cuda:{i}", tuple(ds), _cuda_free(i)) for i, ds in sorted(by_gpu.items())]
+            pools = [
+                MemoryPool(f"cuda:{i}", tuple(ds), pool_free_of_cuda(i)) for i, ds in sorted(by_gpu.items())
+            ]
     progress = getattr(runner, "finished_batches", None)
     return MemoryGuard(pools, idle=idle, settle=settle, progress=progress if callable(progress) else None)
