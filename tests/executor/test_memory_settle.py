@@ -14,22 +14,12 @@ import pytest
 import torch
 
 import torch_dtorch as dt
+from tests.executor.test_hardening_hits import _live_bytes
 from torch_dtorch import Replicate, Shard
 from torch_dtorch.errors import DeviceMemoryError
 from torch_dtorch.executor.memory_check import MemoryGuard, MemoryPool
 
 _BLOCK = 32 * 1024  # bytes of one float32[64, 128] Replicate upload per device
-
-
-def _live_bytes() -> int:
-    runner = dt.device.state.get_session().executor.runner
-    seen: dict[int, int] = {}
-    for w in runner.workers.values():
-        for b in list(w.blobs.values()):
-            if b.tensor is not None:
-                st = b.tensor.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 @pytest.fixture

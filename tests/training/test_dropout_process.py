@@ -7,8 +7,6 @@ sets (``device/worker_rng.py``): the last test pins down what that gives (docs/t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -22,16 +20,8 @@ pytestmark = pytest.mark.slow  # starts worker processes (seconds on 2 cores)
 
 
 @pytest.fixture(scope="module")
-def meshes() -> Iterator[dict[int, dt.DeviceMesh]]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("DTORCH_HEARTBEAT_TIMEOUT_S", "10")  # a loaded 2-core CI machine can miss the 1 s default
-    dt.shutdown()  # a thread pool of an earlier module
-    try:
-        four = dt.init_device_mesh("cpu", (4,), mode="process")
-        yield {4: four, 2: dt.init_device_mesh("cpu", (2,), mode="process")}
-    finally:
-        dt.shutdown()
-        mp.undo()
+def meshes(process_meshes: dict[int, dt.DeviceMesh]) -> dict[int, dt.DeviceMesh]:
+    return process_meshes
 
 
 @pytest.mark.parametrize("num_devices", [2, 4])

@@ -11,7 +11,7 @@ thread-mode tests check through the workers' blobs or only under ``DTORCH_TEST_M
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,17 +32,8 @@ TP_PLAN = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
 
 
 @pytest.fixture(scope="module")
-def meshes() -> Iterator[dict[int, dt.DeviceMesh]]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("DTORCH_HEARTBEAT_TIMEOUT_S", "10")  # a loaded 2-core CI machine can miss the 1 s default
-    dt.shutdown()  # a thread pool of an earlier module
-    try:
-        four = dt.init_device_mesh("cpu", (4,), mode="process")
-        assert get_session().mode == "process"
-        yield {4: four, 2: dt.init_device_mesh("cpu", (2,), mode="process")}
-    finally:
-        dt.shutdown()
-        mp.undo()
+def meshes(process_meshes: dict[int, dt.DeviceMesh]) -> dict[int, dt.DeviceMesh]:
+    return process_meshes
 
 
 def test_zero_grad_set_to_none_frees_worker_blobs(meshes: dict[int, dt.DeviceMesh], monkeypatch) -> None:  # noqa: ANN001
