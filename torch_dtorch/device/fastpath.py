@@ -37,7 +37,7 @@ from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
 from torch_dtorch.placement_rules.rule import add_rule_listener, number_key
 
-__all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "native_kernel", "stats"]
+__all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "stats"]
 
 #: returned by :meth:`FastOp.__call__` when the call must take the full path
 MISS: Any = object()
@@ -460,60 +460,6 @@ def fast_op(op: Any) -> FastOp | None:
 
 # --- the native kernel's side (torch_dtorch/device/_native.cpp) ------------------------------------------------------
 
-#: the C++ extension when the tensor table is native, else ``None`` (the Python fast path above serves every call)
+#: the C++ extension when the tensor table is native, else ``None`` (the Python fast path above serves every call);
+#: its hooks and kernel registration are in :mod:`torch_dtorch.device.fastpath_native`
 NATIVE: Any = TABLE._m if TABLE.native else None  # type: ignore[union-attr]
-
-
-def _native_hit(tpl: Template, inputs: list[Operand | None]) -> list[Operand] | None:
-    """A hit of the native kernel: record the operator; the kernel makes the output tensors. ``None``: no runtime."""
-    rt = state._SESSION
-    if rt is None:
-        return None
-    outs = rt.executor.record_fast(tpl.plan, None, inputs)  # args are built where the run is expanded
-    stats["hit"] += 1
-    rt.last_mesh = tpl.mesh
-    return outs
-
-
-def _layout_of_operand(x: Operand) -> int:
-    return -2 if x.mesh is None else layout_of(x)
-
-
-def _take_learned() -> Template | None:
-    tpl = getattr(_LEARNED, "tpl", None)
-    _LEARNED.tpl = None
-    return tpl
-
-
-if NATIVE is not None:
-    NATIVE.set_hooks(_native_hit, _layout_of_operand, _take_learned)
-
-
-def native_kernel(op: Any, fast: FastOp) -> Any:
-    """The Python kernel behind ``op``'s native kernel (it runs on the native kernel's misses): the Python fast
-    path, counted as one miss."""
-    miss = MISS
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        hits, misses = stats["hit"], stats["miss"]
-        out = fast(args, kwargs)
-        if out is miss:
-            out = dispatch.dispatch_op(op, args, kwargs)
-        stats["hit"], stats["miss"] = hits, misses + 1
-        return out
-
-    kernel.__name__ = f"dtorch_native_miss_{op}"
-    return kernel
-
-
-def register_native(op: Any, fast: FastOp) -> bool:
-    """Put ``op``'s native kernel on the dtorch key (its Python kernel on PrivateUse2, where the native one
-    redispatches on a miss). False when the extension is not loaded."""
-    if NATIVE is None:
-        return False
-    name = op._schema.name.split("::", 1)[1]
-    if op._overloadname != "default":
-        name = f"{name}.{op._overloadname}"
-    kind = {"single": 0, "tuple": 1, "list": 2}[fast.kind]
-    NATIVE.register_kernel(op.namespace, name, fast, kind, fast.view_of is not None, list(fast.slot_pos))
-    return True

@@ -16,7 +16,7 @@ from torch_dtorch._compat import (
     has_kernel_for_dispatch_key,
     setup_privateuse1_python_backend,
 )
-from torch_dtorch.device import binding, dispatch, fastpath, rng
+from torch_dtorch.device import binding, dispatch, fastpath, fastpath_native, rng
 from torch_dtorch.device.attention_grad import sdpa_autograd
 from torch_dtorch.device.dropout import dropout_autograd, dropout_kernel, native_dropout_kernel
 from torch_dtorch.device.rng import install_rng_functions
@@ -215,8 +215,8 @@ def _impl_generic(lib: torch.library.Library, op: Any) -> None:
     fast = fastpath.fast_op(op)
     if fast is not None and fastpath.NATIVE is not None and fast.list_pos is None and fast.written is None:
         # the native kernel on the dtorch key; the Python one behind it, on PrivateUse2, serves its misses
-        lib.impl(_schema_name(op), fastpath.native_kernel(op, fast), "PrivateUse2")
-        fastpath.register_native(op, fast)
+        lib.impl(_schema_name(op), fastpath_native.native_kernel(op, fast), "PrivateUse2")
+        fastpath_native.register_native(op, fast)
     else:
         lib.impl(_schema_name(op), generic, "PrivateUse1")
     _KERNELS[op] = "generic"
