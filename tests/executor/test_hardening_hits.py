@@ -42,7 +42,9 @@ def small_pool() -> Iterator[tuple[MemoryGuard, torch.Tensor, int]]:
     ex = dt.device.state.get_session().executor
     limit = _live_bytes() + 8 * _ROWS * 64 * 4
     guard = MemoryGuard(
-        [MemoryPool("fake RAM", tuple(mesh.devices), lambda: limit - _live_bytes())], margin=0.0
+        [MemoryPool("fake RAM", tuple(mesh.devices), lambda: limit - _live_bytes())],
+        margin=0.0,
+        settle=ex.sync,
     )
     old = ex.constructor.memory
     ex.constructor.memory = guard

@@ -92,8 +92,7 @@ class PlannedRecorder:
                 if i >= 0 and planned[i] + n <= guard.budget[i]:  # one pool (the common case), inline
                     planned[i] += n
                 elif (i >= 0 or not guard.hit(mem)) and not guard.recheck(mem):
-                    ex.sync()
-                    guard.settle(str(plan.op), mem)
+                    guard.settle(str(plan.op), mem)  # (syncs the executor: the guard's settle callback)
         with self._lock:
             if ex._closed:
                 ex._check_open()

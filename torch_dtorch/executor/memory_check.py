@@ -175,13 +175,8 @@ class MemoryGuard:
         # Bytes planned since the workers were last seen idle may be allocated already, and then the free figure
         # counts them twice: settle (outside the lock: the executor's sync frees dead tensors through it), so
         # nothing planned is unallocated, and look again.
-        self._settle()
+        self._settle_now()
         with self._lock:
-            self.settles += 1
-            self.planned_bytes[:] = [0] * len(self.pools)
-            self._sizes.clear()
-            self._marks.clear()
-            self._last_free = [(None, 0.0)] * len(self.pools)
             short = self._short(need)
             if short is not None:
                 i, free = short
@@ -260,14 +255,24 @@ class MemoryGuard:
             return self._admit(mem, settled=False)
 
     def settle(self, what: str, mem: HitBytes) -> None:
-        """The executor has settled (every dead tensor freed, the workers idle): nothing planned is unallocated, so
-        a fresh figure is the whole truth. Count the hit, or raise :class:`DeviceMemoryError`."""
+        """A hit the fresh figures do not allow either: settle, so nothing planned is unallocated and a fresh
+        figure is the whole truth; then count the hit, or raise :class:`DeviceMemoryError`."""
+        self._settle_now()
+        with self._lock:
+            self._admit(mem, settled=True, what=what)
+
+    def _settle_now(self) -> None:
+        """Settle through the ``settle`` callback (the executor's ``sync``: flush, free the dead tensors, wait for the
+        workers), then forget every planned byte. Callers do not hold the lock (the sync frees tensors through
+        :meth:`released`)."""
+        if self._settle is not None:
+            self._settle()
         with self._lock:
             self.settles += 1
             self.planned_bytes[:] = [0] * len(self.pools)
             self._sizes.clear()
             self._marks.clear()
-            self._admit(mem, settled=True, what=what)
+            self._last_free = [(None, 0.0)] * len(self.pools)
 
     def _admit(self, mem: HitBytes, *, settled: bool, what: str = "") -> bool:
         # callers hold the lock
