@@ -123,3 +123,61 @@ def test_finished_batches_are_forgotten_without_settling(with_progress: bool) ->
         assert runner.finished_batches() == runner.batches
     finally:
         ex.constructor.memory = old
+
+
+def test_dying_planned_outputs_do_not_pile_up_the_hits_bytes() -> None:
+    """Each step has hits and a call checked on the planning path (tracked per operand) whose outputs die, while
+    the GPU runs a few batches behind. The release of a tracked operand used to clear the finished-batch marks, so
+    with a queue deeper than one batch the hits' bytes were never forgotten and piled up until the check settled --
+    several times per eager FLUX pipeline step on an H100 (2026-12-06), each settle draining the GPU. Released
+    tracked bytes now lower the marks that counted them instead."""
+    mesh = dt.init_device_mesh("cpu", (2,))
+    x = dt.distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)])
+    (x + 1).full_tensor()
+    dt.sync()
+    ex = dt.device.state.get_session().executor
+    runner = ex.runner
+    step = 64 * 64 * 4 * 3 + 64 * 40 * 4  # bytes one step plans (at most)
+    limit = _live_bytes() + 8 * step
+    guard = MemoryGuard(
+        [MemoryPool("fake RAM", tuple(mesh.devices), lambda: limit - _live_bytes())],
+        margin=0.0,
+        idle=lambda: False,
+        settle=ex.sync,
+        progress=lambda: max(0, runner.finished_batches() - 3),  # a GPU queue three batches deep
+    )
+    old = ex.constructor.memory
+    ex.constructor.memory = guard
+    try:
+        for i in range(40):
+            y = x + 1  # hits
+            z = y * 2
+            w = dt.ones(64, 64 + i, device_mesh=mesh, placements=[Shard(0)])  # planned: checked and tracked
+            del w, y, z
+            ex.flush()
+            assert runner.wait_idle(10)
+        assert guard.settles == 0
+        assert guard.planned()["fake RAM"] <= 5 * step  # the last few steps', not all forty
+    finally:
+        ex.constructor.memory = old
+
+
+def test_released_bytes_are_not_forgotten_twice() -> None:
+    """A tracked operand whose batch finished is forgotten with the mark; its later death must not lower the
+    planned bytes again (that would hide bytes planned after it from the check)."""
+    pool = MemoryPool("fake", (0,), lambda: 1 << 30)
+    done = [0]
+    guard = MemoryGuard([pool], margin=0.0, idle=lambda: False, progress=lambda: done[0])
+    guard.check("a", [("a", {0: 100})])
+    guard.track(1, {0: 100})
+    guard.flushed(1)  # batch 1 holds operand 1
+    guard.check("b", [("b", {0: 50})])
+    guard.track(2, {0: 50})
+    done[0] = 1
+    with guard._lock:
+        guard._refresh()  # batch 1 ran: its 100 bytes are forgotten
+    assert guard.planned() == {"fake": 50}
+    guard.released([1])  # operand 1 dies: already forgotten
+    assert guard.planned() == {"fake": 50}
+    guard.released([2])
+    assert guard.planned() == {"fake": 0}

@@ -20,7 +20,8 @@ What is checked (on the planning path: every call the eager fast path has not ca
   the check **settles** first -- flushes, frees the dead tensors, waits for the workers -- and fails only if a fresh
   figure does not allow it either (a stream of weight uploads to a busy GPU raised falsely before, 2026-12-06).
   In thread mode the bytes planned before a batch every worker has run are forgotten at the next figure
-  (:meth:`MemoryGuard.flushed`): a busy GPU worker is never idle, and settling drains its queue.
+  (:meth:`MemoryGuard.flushed`): a busy GPU worker is never idle, and settling drains its queue. A tracked operand
+  that dies lowers the planned bytes and the marks that counted it; one whose batch ran is forgotten with its mark.
 
 Fast-path hits (a call the eager fast path replays) are checked too, cheaply: the plan knows its new bytes per pool
 (outputs that are not views, redistributed input copies), worked out at its first hit; each hit adds them to the
@@ -81,6 +82,16 @@ _FIGURE_TTL_S = 0.2
 _MAX_MARKS = 256
 
 
+def _lowered(mark: tuple[int, ...], seq: int, lowered: list[tuple[int, int, int]]) -> tuple[int, ...]:
+    """``mark`` (planned bytes per pool, taken at tracking sequence number ``seq``) less the released bytes it
+    counted (those tracked before it)."""
+    out = list(mark)
+    for s, i, n in lowered:
+        if s < seq:
+            out[i] = max(0, out[i] - n)
+    return tuple(out)
+
+
 class HitBytes:
     """What one fast-path hit allocates (:meth:`MemoryGuard.plan_bytes`): ``per_pool``, ``(pool index, bytes)`` of
     every pool it allocates on; ``pool``/``nbytes`` the same when that is one pool (``pool`` ``-1``: several, or
@@ -129,9 +140,10 @@ class MemoryGuard:
         self._idle = idle
         self._settle = settle
         self._progress = progress
-        #: (batch number, planned bytes per pool when that batch was submitted): once every worker has run that
-        #: batch, its allocations show in a live free figure and those bytes are forgotten (:meth:`flushed`)
-        self._marks: collections.deque[tuple[int, tuple[int, ...]]] = collections.deque()
+        #: (batch number, planned bytes per pool when that batch was submitted, the tracking sequence number
+        #: then): once every worker has run that batch, its allocations show in a live free figure and those bytes
+        #: are forgotten (:meth:`flushed`)
+        self._marks: collections.deque[tuple[int, tuple[int, ...], int]] = collections.deque()
         self._pool_of = {d: i for i, p in enumerate(self.pools) for d in p.devices}
         #: per pool, bytes planned since the free figure last showed them (a fast-path hit adds to it inline:
         #: ``EagerGraphExecutor.record_fast``; the list is only ever changed in place)
@@ -141,9 +153,11 @@ class MemoryGuard:
         #: per pool, what the last free figure allows (free less the margin; -1 before the first figure): a
         #: fast-path hit passes while the planned bytes stay under it
         self.budget: list[float] = [-1.0] * len(self.pools)
-        self._sizes: dict[
-            int, list[tuple[int, int]]
-        ] = {}  # operand id -> [(pool, bytes)] counted in planned_bytes
+        #: operand id -> (tracking sequence number, [(pool, bytes)] counted in planned_bytes), in counting order
+        self._sizes: collections.OrderedDict[int, tuple[int, list[tuple[int, int]]]] = (
+            collections.OrderedDict()
+        )
+        self._seq = 0
         self._lock = threading.Lock()
         self.checks = 0
         #: how often a fast-path hit made the executor settle (tests, diagnostics)
@@ -301,7 +315,8 @@ class MemoryGuard:
         if counted:
             with self._lock:
                 if any(self.planned_bytes[i] for i, _ in counted):
-                    self._sizes[operand_id] = counted
+                    self._sizes[operand_id] = (self._seq, counted)
+                    self._seq += 1
 
     def flushed(self, batch: int) -> None:
         """The executor submitted batch number ``batch`` (the runner's count): every byte planned so far is in it
@@ -318,7 +333,7 @@ class MemoryGuard:
         with self._lock:
             if len(self._marks) >= _MAX_MARKS:
                 self._marks.popleft()  # (forgetting later is safe: it only settles sooner)
-            self._marks.append((batch, tuple(planned)))
+            self._marks.append((batch, tuple(planned), self._seq))
 
     def _forget_finished(self) -> None:
         """Forget the bytes planned before the newest batch every worker has run (callers hold the lock). Each mark is the planned total at its batch, so the newest finished mark is what
@@ -326,16 +341,22 @@ class MemoryGuard:
         if self._progress is None or not self._marks:
             return
         done = self._progress()
-        base: tuple[int, ...] | None = None
+        newest: tuple[int, tuple[int, ...], int] | None = None
         marks = self._marks
         while marks and marks[0][0] <= done:
-            base = marks.popleft()[1]
-        if base is None:
+            newest = marks.popleft()
+        if newest is None:
             return
+        _, base, seq = newest
         planned = self.planned_bytes
         for i, pool in enumerate(self.pools):
             if pool.generation is None and base[i]:
                 planned[i] = max(0, planned[i] - base[i])
+        # the tracked operands counted before that mark are forgotten with it: their death must not lower the
+        # planned bytes a second time
+        sizes = self._sizes
+        while sizes and next(iter(sizes.values()))[0] < seq:
+            sizes.popitem(last=False)
         self._marks = collections.deque(
             (
                 b,
@@ -343,8 +364,9 @@ class MemoryGuard:
                     max(0, m[i] - base[i]) if self.pools[i].generation is None else m[i]
                     for i in range(len(m))
                 ),
+                q,
             )
-            for b, m in marks
+            for b, m, q in marks
         )
 
     def _refresh(self) -> None:
@@ -387,13 +409,20 @@ class MemoryGuard:
             return
         with self._lock:
             pop = self._sizes.pop
-            lowered = False
+            lowered: list[tuple[int, int, int]] = []  # (sequence number, pool, bytes)
             for oid in operand_ids:
-                for i, n in pop(oid, ()):
+                entry = pop(oid, None)
+                if entry is None:
+                    continue
+                seq, counted = entry
+                for i, n in counted:
                     self.planned_bytes[i] = max(0, self.planned_bytes[i] - n)
-                    lowered = True
-            if lowered:  # a mark taken before counts these bytes: subtracting it later would under-count
-                self._marks.clear()
+                    lowered.append((seq, i, n))
+            if lowered and self._marks:
+                # a mark taken after these bytes were counted includes them: lower it too, or forgetting it later
+                # would subtract them a second time (the marks stay: clearing them piled up every hit's bytes until
+                # the executor settled, several times per FLUX step on the GPU, 2026-12-06)
+                self._marks = collections.deque((b, _lowered(m, q, lowered), q) for b, m, q in self._marks)
 
     def _error(
         self,

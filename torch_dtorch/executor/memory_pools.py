@@ -120,8 +120,12 @@ def cuda_free_bytes(device: Any) -> int:
     allocator holds reserved but unused (it hands that out again before asking the driver)."""
     import torch
 
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(torch.cuda.mem_get_info(device)[0]) + max(0, int(cached))
+    from torch_dtorch._compat import cuda_cached_free_bytes
+
+    index = device if isinstance(device, int) else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return int(torch.cuda.mem_get_info(index)[0]) + cuda_cached_free_bytes(index)
 
 
 def pool_free_of_cuda(index: int) -> Callable[[], int | None]:
