@@ -128,6 +128,11 @@ def _run(
     model_d = copy.deepcopy(model)
     distribute_module(model_d, mesh)
     gc.collect()
+    # what dt's replicate_module / parallelize_* do once a model is on the mesh (torch_dtorch/device/heap.py);
+    # the torch rows run after it too, so both sides see the same frozen heap
+    from torch_dtorch.device.heap import freeze_startup_heap
+
+    freeze_startup_heap("bench/eager_flux.py")
     din = {k: dt.distribute_tensor(v, mesh) for k, v in inputs.items()}
 
     def dsync() -> None:

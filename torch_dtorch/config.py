@@ -24,6 +24,7 @@
 | ``DTORCH_HANG_TIMEOUT_S`` | cluster mode: a worker busy on one op this long is reported hung (``WorkerHangError``) | ``600`` |
 | ``DTORCH_CONTROLLER_TIMEOUT_S`` | cluster mode: a worker whose controller is silent this long exits by itself (at once when the controller dies) | ``10.0`` |
 | ``DTORCH_MEMORY_CHECK`` | ``0``: no memory pre-check of planned allocations (``torch_dtorch/executor/memory_check.py``, docs/reliability.md) | ``1`` |
+| ``DTORCH_GC_FREEZE`` | ``0``: do not freeze the start-up heap out of Python's garbage collector when a model is first placed on a mesh (``replicate_module``, ``parallelize_module``, ``fully_shard``, ``parallelize_pipeline``; ``torch_dtorch/device/heap.py``) | ``1`` |
 | ``DTORCH_MEMORY_MARGIN`` | the memory pre-check keeps this fraction of a device's free memory back; a larger allocation raises ``DeviceMemoryError`` before anything is sent | ``0.1`` |
 | ``DTORCH_WIRE_MAX_PAYLOAD_BYTES`` | cluster mode: the largest JSON payload frame a receiver parses (tensor bytes travel in other frames) | ``268435456`` |
 | ``DTORCH_COLLECTIVE_TIMEOUT_S`` | a collective waiting longer for its peers raises ``CollectiveTimeout`` naming the missing ranks (read by ``torch_dtorch.collectives.group``) | ``300`` |

@@ -37,6 +37,7 @@ from torch import nn
 from torch_dtorch.api import redistribute
 from torch_dtorch.device.autograd import match_grad_placements
 from torch_dtorch.device.dispatch import operand_of
+from torch_dtorch.device.heap import freeze_startup_heap
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import DTorchError, MeshError
 from torch_dtorch.graph import ViewInfo
@@ -180,6 +181,7 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: b
     module._dtorch_fsdp = state  # type: ignore[assignment]
     module.register_forward_pre_hook(_gather_hook(state))
     module.register_forward_hook(_restore_hook(state), always_call=True)
+    freeze_startup_heap("fully_shard")
     return module
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from torch_dtorch.device.autograd import match_grad_placements
+from torch_dtorch.device.heap import freeze_startup_heap
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.mesh import DeviceMesh
@@ -157,6 +158,7 @@ def replicate_module(
             persistent = bname not in getattr(sub, "_non_persistent_buffers_set", set())
             sub.register_buffer(bname, done[key], persistent=persistent)
     match_grad_placements(module)
+    freeze_startup_heap("replicate_module")
     return module
 
 

@@ -40,6 +40,7 @@ from torch import nn
 import torch_dtorch as dt
 from torch_dtorch.apps.diffusion.accelerate import apply_accelerations, compiles_whole_forward
 from torch_dtorch.apps.diffusion.cache import CachedBlocks
+from torch_dtorch.device.heap import freeze_startup_heap
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
 from torch_dtorch.apps.diffusion.loop import host_call, keep_loop_on_mesh
 from torch_dtorch.apps.diffusion.vae import decode_on_mesh
@@ -497,6 +498,7 @@ def parallelize_pipeline(pipe: Any, mesh: DeviceMesh, config: ExecuteConfig | No
         plan.mesh.mesh_dim_names,
         config.compile,
     )
+    freeze_startup_heap("parallelize_pipeline")
     return pipe
 
 
