@@ -40,12 +40,12 @@ from torch import nn
 import torch_dtorch as dt
 from torch_dtorch.apps.diffusion.accelerate import apply_accelerations, compiles_whole_forward
 from torch_dtorch.apps.diffusion.cache import CachedBlocks
-from torch_dtorch.device.heap import freeze_startup_heap
 from torch_dtorch.apps.diffusion.config import ExecuteConfig
 from torch_dtorch.apps.diffusion.loop import host_call, keep_loop_on_mesh
 from torch_dtorch.apps.diffusion.vae import decode_on_mesh
 from torch_dtorch.backend import dtorch_backend
 from torch_dtorch.backend.place import mesh_key, place
+from torch_dtorch.device.heap import freeze_startup_heap
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PipelineParallelError
 from torch_dtorch.mesh import DeviceMesh
