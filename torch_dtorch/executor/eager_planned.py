@@ -81,12 +81,15 @@ class PlannedRecorder:
         :class:`~torch_dtorch.errors.DeviceMemoryError` before anything of this call is recorded."""
         ex = self._ex
         guard = self.constructor.memory
+        tracked = None
         if guard is not None:
             mem = plan.mem
             if mem is None or mem.guard is not guard:
                 mem = guard.plan_bytes(plan, inputs)
             n = mem.nbytes
             if n:
+                if guard.track_hits:
+                    tracked = mem
                 i = mem.pool
                 planned = guard.planned_bytes
                 if i >= 0 and planned[i] + n <= guard.budget[i]:  # one pool (the common case), inline
@@ -139,6 +142,10 @@ class PlannedRecorder:
             # ex._append, inline
             if self._dead:
                 ex._drain_dead()
+            if (
+                tracked is not None and outs
+            ):  # (reported figures: the bytes die with the output, MemoryGuard.track_hit)
+                guard.track_hit(outs[0].id, tracked)  # type: ignore[union-attr]
             pending = ex._pending
             pending.append(instr)
             ex._last = _monotonic()
