@@ -88,8 +88,7 @@ class PlannedRecorder:
                 mem = guard.plan_bytes(plan, inputs)
             n = mem.nbytes
             if n:
-                if guard.track_hits:
-                    tracked = mem
+                tracked = mem
                 i = mem.pool
                 planned = guard.planned_bytes
                 if i >= 0 and planned[i] + n <= guard.budget[i]:  # one pool (the common case), inline
@@ -142,10 +141,8 @@ class PlannedRecorder:
             # ex._append, inline
             if self._dead:
                 ex._drain_dead()
-            if (
-                tracked is not None and outs
-            ):  # (reported figures: the bytes die with the output, MemoryGuard.track_hit)
-                guard.track_hit(outs[0].id, tracked)  # type: ignore[union-attr]
+            if tracked is not None and outs:  # the bytes die with the output (memory_ledger.py)
+                guard.ledger.track_hit(outs[0].id, tracked.per_pool)  # type: ignore[union-attr]
             pending = ex._pending
             pending.append(instr)
             ex._last = _monotonic()

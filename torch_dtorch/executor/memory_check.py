@@ -20,13 +20,14 @@ What is checked (on the planning path: every call the eager fast path has not ca
   the check **settles** first -- flushes, frees the dead tensors, waits for the workers -- and fails only if a fresh
   figure does not allow it either (a stream of weight uploads to a busy GPU raised falsely before, 2026-12-06).
   In thread mode the bytes planned before a batch every worker has run are forgotten at the next figure
-  (:meth:`MemoryGuard.flushed`): a busy GPU worker is never idle, and settling drains its queue. A tracked operand
-  that dies lowers the planned bytes and the marks that counted it; one whose batch ran is forgotten with its mark.
+  (:meth:`MemoryGuard.flushed`): a busy GPU worker is never idle, and settling drains its queue. Every counted byte
+  belongs to an operand, and goes when it dies (its buffer is freed in stream order before any later allocation),
+  when its batch ran, or with a new figure -- once (:mod:`torch_dtorch.executor.memory_ledger`).
 
 Fast-path hits (a call the eager fast path replays) are checked too, cheaply: the plan knows its new bytes per pool
 (outputs that are not views, redistributed input copies), worked out at its first hit; each hit adds them to the
-pool's planned bytes (:meth:`MemoryGuard.hit`, a few integer adds) and compares them with what the last free figure
-allows. Past it, the check reads a fresh figure (:meth:`MemoryGuard.recheck`); if that does not allow the hit
+pool's planned bytes (:meth:`MemoryGuard.hit`, a few integer adds), ties them to its output (they go when it dies:
+an eager step's activations never pile up) and compares them with what the last free figure allows. Past it, the check reads a fresh figure (:meth:`MemoryGuard.recheck`); if that does not allow the hit
 either, the executor **settles** -- flushes, frees the dead tensors and waits until the workers ran everything, so
 the figure shows exactly what is alive -- and checks once more (:meth:`MemoryGuard.settle`), failing only then. A
 loop whose outputs die therefore never fails; one that keeps them fails in the call that would not fit.
@@ -41,7 +42,6 @@ tensor stay usable.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import threading
@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch_dtorch.errors_oom import DeviceMemoryError
+from torch_dtorch.executor.memory_ledger import PlannedLedger
 from torch_dtorch.executor.memory_pools import (
     MemoryPool,
     check_enabled,
@@ -78,18 +79,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 #: a free-memory figure younger than this is reused for allocations under a quarter of it
 _FIGURE_TTL_S = 0.2
-#: batches whose planned bytes are remembered (:meth:`MemoryGuard.flushed`); older ones are forgotten later
-_MAX_MARKS = 256
-
-
-def _lowered(mark: tuple[int, ...], seq: int, lowered: list[tuple[int, int, int]]) -> tuple[int, ...]:
-    """``mark`` (planned bytes per pool, taken at tracking sequence number ``seq``) less the released bytes it
-    counted (those tracked before it)."""
-    out = list(mark)
-    for s, i, n in lowered:
-        if s < seq:
-            out[i] = max(0, out[i] - n)
-    return tuple(out)
 
 
 class HitBytes:
@@ -140,27 +129,18 @@ class MemoryGuard:
         self._idle = idle
         self._settle = settle
         self._progress = progress
-        #: (batch number, planned bytes per pool when that batch was submitted, the tracking sequence number
-        #: then): once every worker has run that batch, its allocations show in a live free figure and those bytes
-        #: are forgotten (:meth:`flushed`)
-        self._marks: collections.deque[tuple[int, tuple[int, ...], int]] = collections.deque()
         self._pool_of = {d: i for i, p in enumerate(self.pools) for d in p.devices}
+        #: what is counted as planned, and what it belongs to (torch_dtorch/executor/memory_ledger.py; the fast
+        #: path ties a hit's bytes to its output: ``PlannedLedger.track_hit``)
+        self.ledger = PlannedLedger([p.generation is None for p in self.pools])
         #: per pool, bytes planned since the free figure last showed them (a fast-path hit adds to it inline:
-        #: ``EagerGraphExecutor.record_fast``; the list is only ever changed in place)
-        self.planned_bytes = [0] * len(self.pools)
+        #: ``PlannedRecorder.record_fast``; the ledger's list, only ever changed in place)
+        self.planned_bytes = self.ledger.planned
         self._generations = [p.generation() if p.generation is not None else 0 for p in self.pools]
         self._last_free: list[tuple[int | None, float]] = [(None, 0.0)] * len(self.pools)
         #: per pool, what the last free figure allows (free less the margin; -1 before the first figure): a
         #: fast-path hit passes while the planned bytes stay under it
         self.budget: list[float] = [-1.0] * len(self.pools)
-        #: operand id -> (tracking sequence number, [(pool, bytes)] counted in planned_bytes), in counting order
-        self._sizes: collections.OrderedDict[int, tuple[int, list[tuple[int, int]]]] = (
-            collections.OrderedDict()
-        )
-        self._seq = 0
-        #: pools whose figure is a worker process's report: a busy worker sends none, so the bytes of hits are
-        #: tied to their output (:meth:`track_hit`) and forgotten when it dies, as a planned call's are
-        self.track_hits = any(p.generation is not None for p in self.pools)
         self._lock = threading.Lock()
         self.checks = 0
         #: how often a fast-path hit made the executor settle (tests, diagnostics)
@@ -286,9 +266,7 @@ class MemoryGuard:
             self._settle()
         with self._lock:
             self.settles += 1
-            self.planned_bytes[:] = [0] * len(self.pools)
-            self._sizes.clear()
-            self._marks.clear()
+            self.ledger.clear()
             self._last_free = [(None, 0.0)] * len(self.pools)
 
     def _admit(self, mem: HitBytes, *, settled: bool, what: str = "") -> bool:
@@ -317,72 +295,21 @@ class MemoryGuard:
         counted = [(i, n) for d, n in per_device.items() if (i := self._pool_of.get(d)) is not None and n]
         if counted:
             with self._lock:
-                if any(self.planned_bytes[i] for i, _ in counted):
-                    self._sizes[operand_id] = (self._seq, counted)
-                    self._seq += 1
-
-    def track_hit(self, operand_id: int, mem: HitBytes) -> None:
-        """A fast-path hit's new bytes (``mem``, already counted as planned) belong to its output ``operand_id``:
-        its death lowers the planned bytes again (pools with reported figures, :attr:`track_hits`). Without it a
-        worker process busy with a stream of batches reports nothing, the bytes of outputs long dead piled up, and
-        the check settled -- 17 times per eager FLUX step in process mode on an H100 (2026-12-06)."""
-        with self._lock:
-            self._sizes[operand_id] = (self._seq, list(mem.per_pool))
-            self._seq += 1
+                self.ledger.track(operand_id, tuple(counted))
 
     def flushed(self, batch: int) -> None:
         """The executor submitted batch number ``batch`` (the runner's count): every byte planned so far is in it
         or an earlier one. Once the workers ran it (``progress() >= batch``), a live figure shows those bytes, and
-        :meth:`_refresh` forgets them without waiting for the workers to be idle: a GPU worker with a long queue
-        is never idle, and a stream of hits whose outputs die (every eager step) would otherwise pile up planned
-        bytes until the executor settles, draining the GPU. Thread mode's figures are live; process mode's are
-        reports (forgotten per report)."""
-        if self._progress is None:
-            return
-        planned = self.planned_bytes
-        if not any(planned):
+        :meth:`_refresh` forgets them without waiting for the workers to be idle (a GPU worker with a long queue
+        is never idle). Thread mode's figures are live; process mode's are reports (forgotten per report)."""
+        if self._progress is None or not any(self.planned_bytes):
             return
         with self._lock:
-            if len(self._marks) >= _MAX_MARKS:
-                self._marks.popleft()  # (forgetting later is safe: it only settles sooner)
-            self._marks.append((batch, tuple(planned), self._seq))
-
-    def _forget_finished(self) -> None:
-        """Forget the bytes planned before the newest batch every worker has run (callers hold the lock). Each mark is the planned total at its batch, so the newest finished mark is what
-        the figure shows by now; later marks keep what was planned after it."""
-        if self._progress is None or not self._marks:
-            return
-        done = self._progress()
-        newest: tuple[int, tuple[int, ...], int] | None = None
-        marks = self._marks
-        while marks and marks[0][0] <= done:
-            newest = marks.popleft()
-        if newest is None:
-            return
-        _, base, seq = newest
-        planned = self.planned_bytes
-        for i, pool in enumerate(self.pools):
-            if pool.generation is None and base[i]:
-                planned[i] = max(0, planned[i] - base[i])
-        # the tracked operands counted before that mark are forgotten with it: their death must not lower the
-        # planned bytes a second time
-        sizes = self._sizes
-        while sizes and next(iter(sizes.values()))[0] < seq:
-            sizes.popitem(last=False)
-        self._marks = collections.deque(
-            (
-                b,
-                tuple(
-                    max(0, m[i] - base[i]) if self.pools[i].generation is None else m[i]
-                    for i in range(len(m))
-                ),
-                q,
-            )
-            for b, m, q in marks
-        )
+            self.ledger.mark(batch)
 
     def _refresh(self) -> None:
         """Forget the planned bytes the free figures show by now (callers hold the lock)."""
+        ledger = self.ledger
         live_idle: bool | None = None
         for i, pool in enumerate(self.pools):
             if not self.planned_bytes[i]:
@@ -391,32 +318,16 @@ class MemoryGuard:
                 g = pool.generation()
                 if g != self._generations[i]:
                     self._generations[i] = g
-                    self.planned_bytes[i] = 0
-                    self._untrack_pool(i)
+                    ledger.forget_pool(i)
             else:
                 if live_idle is None:
                     live_idle = self._idle is not None and self._idle()
-                    if not live_idle:
-                        self._forget_finished()
+                    if not live_idle and self._progress is not None and ledger.has_marks:
+                        ledger.forget_finished(self._progress())
                 if live_idle:
-                    self.planned_bytes[i] = 0
-        if live_idle:
-            self._marks.clear()
+                    ledger.forget_pool(i)
         if not any(self.planned_bytes):
-            self._sizes.clear()
-            self._marks.clear()
-
-    def _untrack_pool(self, pool: int) -> None:
-        """Pool ``pool``'s planned bytes were forgotten (a new report): the operands counted there must not lower
-        them again when they die (callers hold the lock)."""
-        sizes = self._sizes
-        for oid, (seq, counted) in list(sizes.items()):
-            if any(i == pool for i, _ in counted):
-                rest = [(i, n) for i, n in counted if i != pool]
-                if rest:
-                    sizes[oid] = (seq, rest)
-                else:
-                    del sizes[oid]
+            ledger.clear()
 
     def planned(self) -> dict[str, int]:
         """Bytes planned per pool that its free figure may not show yet (diagnostics)."""
@@ -426,28 +337,14 @@ class MemoryGuard:
     @property
     def tracking(self) -> bool:
         """Whether any live operand is counted as planned (else :meth:`released` has nothing to do)."""
-        return bool(self._sizes)
+        return self.ledger.tracking
 
     def released(self, operand_ids: Iterable[int]) -> None:
         """``operand_ids`` died: what they were counted for is no longer planned."""
-        if not self._sizes:
+        if not self.ledger.tracking:
             return
         with self._lock:
-            pop = self._sizes.pop
-            lowered: list[tuple[int, int, int]] = []  # (sequence number, pool, bytes)
-            for oid in operand_ids:
-                entry = pop(oid, None)
-                if entry is None:
-                    continue
-                seq, counted = entry
-                for i, n in counted:
-                    self.planned_bytes[i] = max(0, self.planned_bytes[i] - n)
-                    lowered.append((seq, i, n))
-            if lowered and self._marks:
-                # a mark taken after these bytes were counted includes them: lower it too, or forgetting it later
-                # would subtract them a second time (the marks stay: clearing them piled up every hit's bytes until
-                # the executor settled, several times per FLUX step on the GPU, 2026-12-06)
-                self._marks = collections.deque((b, _lowered(m, q, lowered), q) for b, m, q in self._marks)
+            self.ledger.released(operand_ids)
 
     def _error(
         self,
