@@ -52,20 +52,23 @@ class PlannedRecorder:
         self._lock = executor._lock
         self.constructor = executor.constructor
         self._dead = executor._dead
-        self._owned = executor._owned
         self._wake = executor._wake
+        self._copy_views = executor.copy_views
+        #: the copy-view registry's records (non-empty: hits check their writes and views against it)
+        self._cv_live = executor.copy_views.records
 
     def free_moved(self, copies: Sequence[Operand | None], outputs: Sequence[Operand]) -> None:
-        """The redistributed copies of an op's inputs are dead once the op ran, unless an output views one: then
-        they die with that output. Callers hold ``self._lock``."""
+        """The redistributed copies of an op's inputs are dead once the op ran, unless outputs view one (a
+        copy-view): then the copy lives while they or their views do, and is refreshed after every write to what it
+        copies (:mod:`.copy_views`). Callers hold ``self._lock``."""
         for y in copies:
             if y is None:
                 continue
-            owner = next((o for o in outputs if o.base is y), None)
-            if owner is None:
+            views = [o for o in outputs if o.base is y]
+            if not views:
                 self._dead.append(y.id)
             else:
-                self._owned.setdefault(owner.id, []).append(y.id)
+                self._copy_views.add(y, views)
 
     def record_fast(
         self, plan: FastPlan, args: tuple[Any, ...] | None, inputs: list[Operand | None]
@@ -147,6 +150,8 @@ class PlannedRecorder:
                 ex._flush_locked()
             elif n == 1:
                 self._wake.set()
+            if self._cv_live:  # a write refreshes the copy-views of its storage; views of them are tracked
+                self._copy_views.after_call(plan.rule, outs)
             return outs
 
     def call_planned(
@@ -179,6 +184,8 @@ class PlannedRecorder:
                     call = call.retarget(moved, call.placements)
                 outs = c.call_planned(rule, call, out_specs, assign, cost)
                 self.free_moved(copies, outs)
+                if self._cv_live:
+                    self._copy_views.after_call(rule, outs)
                 return outs
             call_site = user_call_site() if get_config().debug else None
             if moves:
@@ -201,6 +208,8 @@ class PlannedRecorder:
             ex._append(RunOp(node, call_site))
             if moves:
                 self.free_moved([inputs[slot] for slot, _, _ in moves], outs)
+            if self._cv_live:
+                self._copy_views.after_call(rule, outs)
             return outs
 
     def _replay_moves(
