@@ -311,14 +311,10 @@ def test_in_place_on_a_non_leaf_in_grad_mode() -> None:
     torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not specific to copy-views: after an in-place write to a non-leaf base in grad mode, autograd "
-    "rebuilds a view's grad_fn with as_strided from the view's own (controller-side, contiguous) geometry, which "
-    "is not its place in the base on dtorch (docs/user_guide.md, Limits)",
-)
 @pytest.mark.parametrize("view", ["keeps", "copy"])
 def test_view_used_after_an_in_place_write_to_its_non_leaf_base(view: str) -> None:
+    """Autograd rebuilds the view's ``grad_fn`` after the write: by replaying the view op (dtorch turns torch's view
+    replay on), never with ``as_strided`` from the view's controller-side geometry (wrong gradients before)."""
     mesh = init_mesh((2,))
     a = torch.randn(5, 6)
     fn: Fn = (lambda t: t[:, 1:4]) if view == "keeps" else (lambda t: t[1:4])
@@ -328,8 +324,27 @@ def test_view_used_after_an_in_place_write_to_its_non_leaf_base(view: str) -> No
     y, yr = fn(h), fn(hr)
     h.mul_(3.0)
     hr.mul_(3.0)
-    (h.sum() + (y * y).sum()).backward()
-    (hr.sum() + (yr * yr).sum()).backward()
+    ((h * h).sum() + (y * y).sum()).backward()
+    ((hr * hr).sum() + (yr * yr).sum()).backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
+
+
+@pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Replicate()]], ids=str)
+def test_write_through_a_view_in_grad_mode(placements: list[Any]) -> None:
+    """``h[:, 1:4].mul_(3)`` in grad mode (autograd's ``CopySlices``): gradients equal torch."""
+    mesh = init_mesh((2,))
+    a = torch.randn(5, 6)
+    x = dt.distribute_tensor(a.clone(), mesh, placements).requires_grad_()
+    xr = a.clone().requires_grad_()
+    along_rows = placements == [Shard(1)]  # (a slice across shards is a copy-view: writes through it raise)
+    for t in (x, xr):
+        h = t * 2.0
+        if along_rows:
+            h[1:4].mul_(3.0)
+        else:
+            h[:, 1:4].mul_(3.0)
+        (h * h).sum().backward()
     assert x.grad is not None
     torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
 
@@ -352,7 +367,8 @@ def test_saved_copy_view_then_write_raises_like_torch() -> None:
 @pytest.mark.skipif(TEST_MODE == "process", reason="compile tests run in thread mode (tests/backend)")
 def test_compiled_input_mutation_reaches_copy_views() -> None:
     """A compiled function that writes its input: aot_autograd's wrapper copies the new value into the input with an
-    eager ``copy_``, which refreshes the input's copy-views."""
+    eager ``copy_``, which refreshes the input's copy-views (compiled graphs are functional: a view inside one is
+    not a copy-view)."""
     torch._dynamo.reset()
     try:
         mesh = init_mesh((2,))
@@ -369,6 +385,13 @@ def test_compiled_input_mutation_reaches_copy_views() -> None:
         for _ in range(2):
             g(x)
             f(ref)
+        torch.testing.assert_close(y.full_tensor(), yr)
+        # an output that views the input: aot_autograd regenerates it eagerly (replaying the view op on the input),
+        # so it is a copy-view like any other
+        out = torch.compile(lambda t: t.view(-1), backend="dtorch")(x)
+        x.add_(1.0)
+        ref.add_(1.0)
+        torch.testing.assert_close(out.full_tensor(), ref.view(-1))
         torch.testing.assert_close(y.full_tensor(), yr)
     finally:
         torch._dynamo.reset()

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from torch_dtorch._compat import replay_views
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
 from torch_dtorch.executor.copy_views import CopyViews
@@ -151,6 +152,8 @@ class EagerGraphExecutor:
                     self.planned.free_moved([last.inputs[i] for i in last.moved], last.outputs)
                 if self.copy_views.records:  # a write refreshes the copy-views of its storage
                     self.copy_views.after_call(last.rule, last.outputs)
+                if last.rule.view_of is not None:
+                    replay_views()  # (autograd must replay dtorch views, not as_strided them)
             return out
 
     def redistribute(

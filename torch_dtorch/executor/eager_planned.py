@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_dtorch._compat import replay_views, view_replay_enabled
 from torch_dtorch.config import get_config
 from torch_dtorch.executor.constructor import (
     BoundOp,
@@ -131,9 +132,13 @@ class PlannedRecorder:
                 view = plan.view if base is not None else None
                 outs = [Operand(oid, shape, dtype, mesh, pl, stride, None, [], base, view, grad)]
                 g._next_operand = oid + 1
+                if base is not None and not view_replay_enabled():
+                    replay_views()  # autograd must replay dtorch views, not as_strided them
             else:
                 outs = plan.outputs(oid, inputs)
                 g._next_operand = oid + len(outs)
+                if plan.view_of is not None:
+                    replay_views()
             opid = g._next_operator
             g._next_operator = opid + plan.nmoves + 1
             instr = FastRun(
@@ -186,6 +191,8 @@ class PlannedRecorder:
                 self.free_moved(copies, outs)
                 if self._cv_live:
                     self._copy_views.after_call(rule, outs)
+                if rule.view_of is not None:
+                    replay_views()
                 return outs
             call_site = user_call_site() if get_config().debug else None
             if moves:
@@ -210,6 +217,8 @@ class PlannedRecorder:
                 self.free_moved([inputs[slot] for slot, _, _ in moves], outs)
             if self._cv_live:
                 self._copy_views.after_call(rule, outs)
+            if rule.view_of is not None:
+                replay_views()
             return outs
 
     def _replay_moves(
