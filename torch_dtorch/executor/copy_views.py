@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_dtorch.executor.constructor import RedistributeSpec, redistribute_spec
 from torch_dtorch.graph import Operand
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ _COPY_ = torch.ops.aten.copy_.default
 class CopyView:
     """One redistributed copy ``copy`` that views read, and what it copies (``source``)."""
 
-    __slots__ = ("copy", "source", "aliases", "refreshes")
+    __slots__ = ("copy", "source", "aliases", "refreshes", "spec")
 
     def __init__(self, copy: Operand, source: Operand) -> None:
         self.copy = copy
@@ -50,6 +51,8 @@ class CopyView:
         self.aliases: set[int] = set()
         #: how many times ``copy`` was refreshed (tests and debugging)
         self.refreshes = 0
+        #: the redistribute from ``source`` to ``copy``'s placements, planned at the first refresh
+        self.spec: RedistributeSpec | None = None
 
     def __repr__(self) -> str:
         return (
@@ -137,7 +140,14 @@ class CopyViews:
         constructor = ex.constructor
         last = constructor.last_call  # what the caller planned (the fast path learns its template from it)
         try:
-            fresh = ex.redistribute(rec.source, copy.placements, copy.mesh)
+            spec = rec.spec
+            if spec is None:
+                mesh = copy.mesh
+                spec = rec.spec = redistribute_spec(
+                    rec.source, mesh, mesh.to_root_placements(copy.placements), user_mesh=mesh
+                )
+            with ex._lock:
+                fresh = constructor.redistribute_by_spec(rec.source, spec)
             ex.call(_COPY_, copy, fresh)
             ex.release(fresh.id)
         finally:
