@@ -33,6 +33,8 @@ __all__ = [
     "capturable_optimizers_on",
     "register_dynamo_backend",
     "setup_privateuse1_python_backend",
+    "replay_views",
+    "view_replay_enabled",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -174,6 +176,24 @@ def aot_module_simplified(gm: Any, example_inputs: Sequence[Any], **kwargs: Any)
     from torch._functorch.aot_autograd import aot_module_simplified as aot
 
     return aot(gm, example_inputs, **kwargs)
+
+
+#: whether autograd records view functions on this thread (see :func:`replay_views`)
+view_replay_enabled: Any = torch._C._is_view_replay_enabled
+_set_view_replay_enabled = torch._C._set_view_replay_enabled
+
+
+def replay_views() -> None:
+    """Make autograd record a view function for the views the current thread makes from now on (torch's *view
+    replay*, thread-local; what functionalization and backends without ``as_strided`` use). Without it, autograd
+    rebuilds a view's gradient after an in-place write (``CopySlices`` for a write through a view, the view's
+    regenerated ``grad_fn`` after a write to its base) with ``as_strided`` from the view's sizes, strides and
+    storage offset, which on a dtorch tensor are controller-side (contiguous, offset 0), not the view's place in its
+    base: wrong gradients. Called when a dtorch view op is recorded, before autograd's ``ADInplaceOrView`` kernel
+    (above the dtorch kernel) reads the setting, so it holds for that view; it stays on for the thread (plain torch
+    views give the same results either way; a view op then costs a little more on the CPU)."""
+    if not view_replay_enabled():
+        _set_view_replay_enabled(True)
 
 
 def is_fake_tensor(t: object) -> bool:

@@ -137,13 +137,13 @@ def test_redistributed_input_copies_are_freed() -> None:
     dt.sync()
     before = max(len(w.blobs) for w in workers.values())
     views = [s1.view(256) for _ in range(50)]
-    owned = get_session().executor._owned
+    owned = get_session().executor.copy_views
     assert len(owned) == 50
     torch.testing.assert_close(views[-1].full_tensor(), s1.full_tensor().view(256))
     del views
     gc.collect()
     dt.sync()
-    assert not owned
+    assert not owned.records
     assert max(len(w.blobs) for w in workers.values()) <= before + 2
 
 

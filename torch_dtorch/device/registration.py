@@ -191,12 +191,15 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         dst_operand = dispatch.operand_of(dst, rt)
         if dst_operand.mesh is None:
             dispatch.rebind(rt, dst, binding.defer_upload(rt, value))
+            # dst's storage (the only one standing for the old value) now holds the upload: free the old value
+            dispatch._free_callback(rt)(dst_operand)
         else:
+            # uploaded in dst's placements, then copied into dst's shards in place: views of dst (and copy-views,
+            # refreshed after the write) see the new value, as in torch
             new = rt.executor.input(value.shape, dst_operand.mesh, dst_operand.placements, dtype=dst.dtype)
             rt.executor.upload(new, value)
-            dispatch.rebind(rt, dst, new)
-        # dst's storage (the only one standing for the old value) now holds the upload: free the old value
-        dispatch._free_callback(rt)(dst_operand)
+            rt.executor.call(aten.copy_.default, dst_operand, new)
+            rt.executor.release(new.id)
         return dst
     if is_dtorch(src) and not is_dtorch(dst):
         dst.copy_(fetch(src))

@@ -317,7 +317,12 @@ class GraphConstructor:
         pl = normalize_placements(
             placements, ndim=x.ndim, mesh_ndim=mesh.ndim, what=f"redistribute of {x.name}"
         )
-        spec = redistribute_spec(x, mesh, mesh.to_root_placements(pl), user_mesh=mesh)
+        return self.redistribute_by_spec(
+            x, redistribute_spec(x, mesh, mesh.to_root_placements(pl), user_mesh=mesh)
+        )
+
+    def redistribute_by_spec(self, x: Operand, spec: RedistributeSpec) -> Operand:
+        """:meth:`redistribute` of a planned ``spec`` (memory pre-check included); returns the new operand."""
         guard = self.memory
         if guard is None:
             return self.emit_redistribute(x, spec)

@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
+from torch_dtorch._compat import replay_views
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
+from torch_dtorch.executor.copy_views import CopyViews
 from torch_dtorch.executor.eager_planned import PlannedRecorder, user_call_site
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.instructions import (
@@ -93,8 +95,8 @@ class EagerGraphExecutor:
         self._pending: list[Instruction] = []
         #: ids of operands whose last tensor died (:meth:`release`), freed before the next instruction
         self._dead: collections.deque[int] = collections.deque()
-        #: output id -> ids of the redistributed input copies its view keeps alive (freed with it)
-        self._owned: dict[int, list[int]] = {}
+        #: views that read a redistributed copy of their input, refreshed after in-place writes to that input
+        self.copy_views = CopyViews(self, self._dead)
         self._last = 0.0
         #: called (without the lock) before a flush or sync: the device layer's table queues the frees of dead
         #: tensors (the native table's storage deleters cannot call Python) and hands them over here
@@ -145,8 +147,13 @@ class EagerGraphExecutor:
             before = c.last_call
             out = c.call(op, *args, **kwargs)
             last = c.last_call
-            if last is not None and last is not before and last.moved:
-                self.planned.free_moved([last.inputs[i] for i in last.moved], last.outputs)
+            if last is not None and last is not before:
+                if last.moved:
+                    self.planned.free_moved([last.inputs[i] for i in last.moved], last.outputs)
+                if self.copy_views.records:  # a write refreshes the copy-views of its storage
+                    self.copy_views.after_call(last.rule, last.outputs)
+                if last.rule.view_of is not None:
+                    replay_views()  # (autograd must replay dtorch views, not as_strided them)
             return out
 
     def redistribute(
@@ -313,13 +320,13 @@ class EagerGraphExecutor:
 
     def release(self, operand_id: int) -> None:
         """Free an operand whose last tensor died (called from the tensor table's weakref callback, on any thread):
-        lock-free, the id joins a ``Free`` in front of the next instruction (or the next flush)."""
+        lock-free, the id joins a ``Free`` in front of the next instruction (or the next flush). The source of a
+        live copy-view stays until that view dies (:mod:`.copy_views`)."""
+        cv = self.copy_views
+        if cv.records and cv.on_release(operand_id):
+            return
         dead = self._dead
         dead.append(operand_id)
-        if self._owned:
-            copies = self._owned.pop(operand_id, None)
-            if copies:
-                dead.extend(copies)
         if len(dead) == 1 and not self._pending:
             self._last = time.monotonic()
             self._wake.set()  # nothing else queued: the timer flushes the frees

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_dtorch._compat import replay_views, view_replay_enabled
 from torch_dtorch.config import get_config
 from torch_dtorch.executor.constructor import (
     BoundOp,
@@ -52,20 +53,23 @@ class PlannedRecorder:
         self._lock = executor._lock
         self.constructor = executor.constructor
         self._dead = executor._dead
-        self._owned = executor._owned
         self._wake = executor._wake
+        self._copy_views = executor.copy_views
+        #: the copy-view registry's records (non-empty: hits check their writes and views against it)
+        self._cv_live = executor.copy_views.records
 
     def free_moved(self, copies: Sequence[Operand | None], outputs: Sequence[Operand]) -> None:
-        """The redistributed copies of an op's inputs are dead once the op ran, unless an output views one: then
-        they die with that output. Callers hold ``self._lock``."""
+        """The redistributed copies of an op's inputs are dead once the op ran, unless outputs view one (a
+        copy-view): then the copy lives while they or their views do, and is refreshed after every write to what it
+        copies (:mod:`.copy_views`). Callers hold ``self._lock``."""
         for y in copies:
             if y is None:
                 continue
-            owner = next((o for o in outputs if o.base is y), None)
-            if owner is None:
+            views = [o for o in outputs if o.base is y]
+            if not views:
                 self._dead.append(y.id)
             else:
-                self._owned.setdefault(owner.id, []).append(y.id)
+                self._copy_views.add(y, views)
 
     def record_fast(
         self, plan: FastPlan, args: tuple[Any, ...] | None, inputs: list[Operand | None]
@@ -130,9 +134,13 @@ class PlannedRecorder:
                 view = plan.view if base is not None else None
                 outs = [Operand(oid, shape, dtype, mesh, pl, stride, None, [], base, view, grad)]
                 g._next_operand = oid + 1
+                if base is not None and not view_replay_enabled():
+                    replay_views()  # autograd must replay dtorch views, not as_strided them
             else:
                 outs = plan.outputs(oid, inputs)
                 g._next_operand = oid + len(outs)
+                if plan.view_of is not None:
+                    replay_views()
             opid = g._next_operator
             g._next_operator = opid + plan.nmoves + 1
             instr = FastRun(
@@ -151,6 +159,8 @@ class PlannedRecorder:
                 ex._flush_locked()
             elif n == 1:
                 self._wake.set()
+            if self._cv_live:  # a write refreshes the copy-views of its storage; views of them are tracked
+                self._copy_views.after_call(plan.rule, outs)
             return outs
 
     def call_planned(
@@ -183,6 +193,10 @@ class PlannedRecorder:
                     call = call.retarget(moved, call.placements)
                 outs = c.call_planned(rule, call, out_specs, assign, cost)
                 self.free_moved(copies, outs)
+                if self._cv_live:
+                    self._copy_views.after_call(rule, outs)
+                if rule.view_of is not None:
+                    replay_views()
                 return outs
             call_site = user_call_site() if get_config().debug else None
             if moves:
@@ -205,6 +219,10 @@ class PlannedRecorder:
             ex._append(RunOp(node, call_site))
             if moves:
                 self.free_moved([inputs[slot] for slot, _, _ in moves], outs)
+            if self._cv_live:
+                self._copy_views.after_call(rule, outs)
+            if rule.view_of is not None:
+                replay_views()
             return outs
 
     def _replay_moves(
