@@ -196,6 +196,12 @@ def replay_views() -> None:
         _set_view_replay_enabled(True)
 
 
+def is_alias_of(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a storage. Works on fake and functional tensors (inductor's tracing of a worker's
+    segment), where ``untyped_storage().data_ptr()`` raises "invalid python storage"."""
+    return bool(torch._C._is_alias_of(a, b))
+
+
 def is_fake_tensor(t: object) -> bool:
     """Whether ``t`` is a FakeTensor (what dynamo hands a backend as example inputs)."""
     from torch._subclasses.fake_tensor import FakeTensor

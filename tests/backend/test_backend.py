@@ -358,3 +358,20 @@ def test_composites_stay_whole_on_older_torch(monkeypatch: pytest.MonkeyPatch, f
     else:  # the simulation does reach the tracers: without the fallback the composites are split
         assert "aten.linear(" not in aten
     assert type(torch.ops.aten.linear.default).decompose is _compat._ORIGINAL_DECOMPOSE  # restored
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_worker_inductor_traces_a_one_operand_einsum(n: int) -> None:
+    """SD3's unpatchify (``einsum("nhwpqc->nchpwq", x)``, a permutation: torch returns a view of the operand) in a
+    segment the workers compile with inductor: the einsum kernel's aliasing check ran on the traced (functional)
+    tensors, whose storage has no data pointer, and the compile failed ("invalid python storage", found on an H100)."""
+
+    def unpatchify(x: torch.Tensor) -> torch.Tensor:
+        y = x.view(2, 4, 4, 2, 2, 3)
+        return torch.einsum("nhwpqc->nchpwq", y).reshape(2, 3, 8, 8) * 2
+
+    x = torch.randn(2, 16, 12)
+    mesh = _mesh(n)
+    compiled = torch.compile(unpatchify, backend="dtorch", options={"worker_compiler": "inductor"})
+    out = compiled(dt.distribute_tensor(x, mesh, [Shard(0)]))
+    torch.testing.assert_close(out.full_tensor(), unpatchify(x))

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from torch_dtorch import _compat
 from torch_dtorch.graph import OperatorCost
 from torch_dtorch.ops.cost import matmul_cost, traffic_cost
 from torch_dtorch.placement import LINEAR_REDUCE_OPS, Partial, Placement, Replicate, Shard
@@ -262,8 +263,7 @@ def _einsum_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwarg
     """``einsum`` of one operand may return a view of it (``ij->ji``): the output is a fresh tensor here."""
     out = call.op(*args, **kwargs)
     tensors = args[1] if len(args) > 1 else kwargs.get("tensors", ())
-    if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-           and out.numel() > 0 for t in tensors):  # fmt: skip
+    if out.numel() > 0 and any(isinstance(t, torch.Tensor) and _compat.is_alias_of(t, out) for t in tensors):
         out = out.clone()
     return out
 
