@@ -199,7 +199,7 @@ def replay_views() -> None:
 def is_alias_of(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` share a storage. Works on fake and functional tensors (inductor's tracing of a worker's
     segment), where ``untyped_storage().data_ptr()`` raises "invalid python storage"."""
-    return bool(torch._C._is_alias_of(a, b))
+    return bool(torch._C._is_alias_of(a, b))  # type: ignore[attr-defined]
 
 
 def is_fake_tensor(t: object) -> bool:
