@@ -26,7 +26,10 @@ __all__ = ["NativeExtension", "native_enabled"]
 
 log = logging.getLogger(__name__)
 
-_STALE_LOCK_S = 600.0
+#: a build lock older than this is a killed build's (a build takes ~30 s, a few minutes on a loaded 2-core box)
+_STALE_LOCK_S = 300.0
+#: how often a waiting process re-checks another process's build lock
+_LOCK_POLL_S = 1.0
 
 
 def native_enabled() -> bool:
@@ -98,9 +101,7 @@ class NativeExtension:
         from torch.utils.cpp_extension import load as cpp_load
 
         where.mkdir(parents=True, exist_ok=True)
-        lock = where / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink(missing_ok=True)  # a build that was killed: torch's file lock would wait forever
+        wait_for_build_lock(where / "lock", what=self.what)
         # ninja from the venv (pip's ``ninja``) when the venv is not activated
         os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
         t0 = time.perf_counter()
@@ -114,6 +115,29 @@ class NativeExtension:
         )
         log.info("built %s in %.1f s", self.what, time.perf_counter() - t0)
         return module
+
+
+def wait_for_build_lock(lock: Path, *, what: str) -> None:
+    """Wait while another process builds into the same folder (its ``lock``), at most until the lock is
+    ``_STALE_LOCK_S`` old; an older lock is a killed build's and is removed. torch's own file lock waits forever on
+    such a lock: a build killed once (Ctrl-C, a timeout) hung every later process."""
+    warned = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > _STALE_LOCK_S:
+            log.warning("removing %s: a build of %s that stopped %.0f s ago (killed)", lock, what, age)
+            lock.unlink(missing_ok=True)
+            return
+        if not warned:
+            log.warning(
+                "waiting for another process's build of %s (%s, %.0f s old; removed as stale at %.0f s)",
+                what, lock, age, _STALE_LOCK_S,
+            )  # fmt: skip
+            warned = True
+        time.sleep(_LOCK_POLL_S)
 
 
 def _import(path: Path, name: str) -> ModuleType:
