@@ -57,6 +57,9 @@ class Ledger:
         self.recorded: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
         self.writes: dict[str, int] = {}  # per stream: how many writes were stamped on it
         self.written: dict[int, tuple[Blob, str, int]] = {}  # id(blob) -> (blob, stream, its write's number)
+        # storage -> (stream, write number) of its last write through any blob (an in-place write to a base is a
+        # write to every view of it)
+        self.storage_last: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
         self.ordered: dict[
             tuple[str, str], int
         ] = {}  # (reader, writer) -> writes of writer the reader follows
@@ -67,6 +70,8 @@ class Ledger:
         with self.lock:
             n = self.writes[kind] = self.writes.get(kind, 0) + 1
             self.written[id(b)] = (b, kind, n)
+            if b.tensor is not None:
+                self.storage_last[b.tensor.untyped_storage()] = (kind, n)
 
     def event(self, kind: str) -> FakeEvent:
         with self.lock:
@@ -107,6 +112,18 @@ class Ledger:
                 _, writer, n = self.written.get(id(b), (b, b.stream, 1 << 60))
                 if self.ordered.get((kind, writer), 0) < n:
                     self.violations.append(f"{kind} reads {b!r}, written on {writer}, without waiting for it")
+            last = self.storage_last.get(s)
+            own = self.written.get(id(b))
+            if (
+                last is not None
+                and (own is None or (own[1], own[2]) != last)  # (the blob's own write is checked above)
+                and last[0] != kind
+                and self.ordered.get((kind, last[0]), 0) < last[1]
+            ):
+                self.violations.append(
+                    f"{kind} reads {b!r}, whose storage was last written on {last[0]} through an alias, without "
+                    "waiting for that write"
+                )
 
 
 class FakeStreams(KernelStream):
@@ -199,6 +216,31 @@ def test_a_replicated_operand_sliced_for_a_sharded_peer(fake_pool: Ledger) -> No
         acc = acc + m
     torch.testing.assert_close(acc.full_tensor(), torch.full((4, 4), 3.0))
     assert fake_pool.violations == [], "\n".join(fake_pool.violations)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_copy_view_refresh_waits_for_the_write_to_its_base(fake_pool: Ledger, n: int) -> None:
+    """Found on an H100 (tests/eager/test_copy_views.py with DTORCH_TEST_DEVICE=cuda, 4 processes on the GPU): a
+    copy-view's refresh re-runs its redistribute on the comm stream, reading the view op's input -- a *view* of the
+    base written in place on the compute stream. That input's blob was stamped when the view was made and had been
+    waited for by the comm stream at the first refresh, so later refreshes skipped the wait and read the base before
+    the write (stale rows)."""
+    mesh = dt.init_device_mesh("cpu", (n,))
+    a = torch.randn(5, 6)
+    x = dt.distribute_tensor(a.clone(), mesh, [Shard(0)])
+    views = {
+        "slice_flatten": (x[1:4].view(-1), a[1:4].view(-1)),
+        "chain": (x[1:4][:, 1:5].t(), a[1:4][:, 1:5].t()),
+    }
+    for i in range(4):
+        x.add_(dt.distribute_tensor(torch.full((5, 6), 0.5 + i), mesh, [Replicate()]))
+        a.add_(torch.full((5, 6), 0.5 + i))
+        x.fill_(2.5 + i) if i == 2 else None
+        a.fill_(2.5 + i) if i == 2 else None
+        for k, (y, want) in views.items():
+            torch.testing.assert_close(y.full_tensor(), want, msg=k)
+    assert fake_pool.checked > 0
+    assert fake_pool.violations == [], "\n".join(fake_pool.violations[:10])
 
 
 def test_the_ledger_sees_a_broken_rule() -> None:

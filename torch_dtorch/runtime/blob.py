@@ -77,11 +77,12 @@ class Blob:
     On CUDA, ``stream`` names the stream that wrote the tensor (``"compute"`` or ``"comm"``). A reader on the other
     stream makes its stream wait for an event recorded on the writer's stream when it reads (streams run in order,
     so that event follows the write; no event is made for the many blobs never read across streams). ``waited``
-    names the one other stream already ordered after the write and told to the allocator (it need not wait again: a
-    program reading a thousand parameters would otherwise queue a thousand event waits per call).
+    names the one other stream already ordered after the write and told to the allocator; it need not wait again
+    while nothing more was written on the writer's stream (``waited_at``; a program reading a thousand parameters
+    would otherwise queue a thousand event waits per call).
     """
 
-    __slots__ = ("tensor", "error", "stream", "waited")
+    __slots__ = ("tensor", "error", "stream", "waited", "waited_at")
 
     def __init__(
         self,
@@ -96,6 +97,8 @@ class Blob:
         self.error = error
         self.stream = stream
         self.waited: str | None = None
+        #: the writer stream's stamp count when ``waited`` was ordered after it (``KernelStream.wait_for``)
+        self.waited_at = 0
 
     @classmethod
     def poisoned(cls, error: KernelError) -> Blob:

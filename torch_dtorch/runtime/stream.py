@@ -9,6 +9,8 @@ The stream-ordering rules of a worker (docs/cluster.md, "Stream ordering on a wo
    the stream that wrote it — also when the write was host-synchronous.
 2. **Wait before a cross-stream read.** A reader on another stream first waits for an event recorded on the
    writer's stream (:meth:`wait_for`; recorded at the read, which follows the write: events exist only per hand-off).
+   A blob already waited for is skipped only while nothing else was written on the writer's stream: a write to its
+   storage through an alias (an in-place op on a view's base) stamps the alias's blob, not this one.
 3. **Tell the allocator about every cross-stream use.** The caching allocator hands a freed block out again as soon
    as its *allocating* stream has reached the free, so a tensor used on any other stream is ``record_stream``-ed
    there (:meth:`wait_for` for blobs, :meth:`adopt` for tensors that arrive from another thread's stream: CUDA IPC
@@ -55,6 +57,9 @@ class KernelStream:
         self.torch_device = torch.device(torch_device)
         self.is_cuda = self.torch_device.type == "cuda"
         self._streams: dict[str, Any] = {}
+        #: per stream, how many times blobs were stamped as written there (a cross-stream reader that waited for a
+        #: blob need not wait again while this count is unchanged)
+        self._stamps: dict[str, int] = {}
         if self.is_cuda:
             self._streams = {
                 COMPUTE: torch.cuda.Stream(device=self.torch_device),
@@ -152,19 +157,25 @@ class KernelStream:
         if not self.is_cuda:
             return
         ordered: set[str] | None = None  # writer streams ``kind`` already waits for in this call
+        stamps = self._stamps
         for b in blobs:
-            if b is None or b.tensor is None or b.stream == kind or b.waited == kind:
+            if b is None or b.tensor is None or b.stream == kind:
                 continue
             writer = b.stream
+            if b.waited == kind and (writer is None or b.waited_at == stamps.get(writer, 0)):
+                # ordered after every write on the writer's stream, and none since: not to this blob, nor to an
+                # alias of its storage (an in-place write to a view's base stamps the base's blob, not the view's)
+                continue
             if writer is not None:
                 if ordered is None:
                     ordered = set()
                 if writer not in ordered:
                     self._wait_event(kind, self._event(writer))
                     ordered.add(writer)
-            self._record_stream(b.tensor, kind)
-            # ``kind`` stays ordered after the write, and one record_stream covers every later use
+            if b.waited != kind:
+                self._record_stream(b.tensor, kind)  # one record_stream covers every later use
             b.waited = kind
+            b.waited_at = stamps.get(writer, 0) if writer is not None else 0
 
     def stamp(self, blobs: Iterable[Blob], kind: str) -> None:
         """Record that ``blobs`` were written on stream ``kind`` (rule 1; the event a cross-stream reader needs is
@@ -172,6 +183,7 @@ class KernelStream:
         for b in blobs:
             b.stream = kind
             b.waited = None
+        self._stamps[kind] = self._stamps.get(kind, 0) + 1
 
     def host_wait(self, blob: Blob | None) -> None:
         """Block this thread until ``blob``'s write is done (another thread reads it on its own stream)."""
