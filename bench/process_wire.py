@@ -31,7 +31,7 @@ import torch
 
 import torch_dtorch as dt
 from torch_dtorch import Replicate
-from torch_dtorch.cluster.codec import BatchDecoder, BatchEncoder
+from torch_dtorch.cluster.codec import VERSION, BatchDecoder, BatchEncoder
 from torch_dtorch.cluster.codec.hits import FREE, HitRun
 from torch_dtorch.cluster.transport import MessageKind, wire
 from torch_dtorch.device.state import get_session
@@ -232,7 +232,7 @@ def main() -> None:
                 cells[hits].append(codec_round(batches, hits=hits, timed_from=first))
         for hits in (False, True):
             c, w, nb, rec = (statistics.median(col) for col in zip(*cells[hits], strict=True))
-            label = "hit records (v2)" if hits else "all JSON"
+            label = f"hit records (v{VERSION})" if hits else "all JSON"
             print(f"| {name} | {label} | {c:.2f} | {w:.2f} | {1e6 / (c + w):,.0f} | {nb:.0f} | {rec:.0%} |")
     if args.no_e2e:
         return

@@ -178,45 +178,51 @@ def test_held_work_is_published_by_sync_fetch_and_wait_idle(
 
 # --- the outbox's policy, without workers ------------------------------------------------------------------------
 class FakeWorkers:
+    """Published messages; ``acked``: how many of them the slowest worker acknowledged."""
+
     def __init__(self) -> None:
         self.sent: list[list[Any]] = []
-        self.busy = False
+        self.acked = 0
 
     def publish(self, batch: list[Any]) -> None:
         self.sent.append(batch)
-        self.busy = True
 
-    def idle(self) -> bool:
-        return not self.busy
+    def in_flight(self) -> int:
+        return len(self.sent) - self.acked
 
 
 def _free(i: int) -> Free:
     return Free([i])
 
 
-def test_outbox_publishes_to_idle_workers_and_holds_for_busy_ones() -> None:
+@pytest.mark.parametrize("window", [1, 2])
+def test_outbox_publishes_while_workers_keep_up_and_holds_for_busy_ones(window: int) -> None:
     w = FakeWorkers()
-    box = Outbox(w.publish, w.idle, max_held=8)
-    box.submit([_free(0), _free(1)])
-    assert len(w.sent) == 1  # idle: at once
+    box = Outbox(w.publish, w.in_flight, max_held=8, window=window)
+    for i in range(window):
+        box.submit([_free(0), _free(1)])
+        assert len(w.sent) == i + 1  # fewer than ``window`` in flight: at once
     box.submit([_free(2)])
     box.submit([_free(3), _free(4)])
-    assert len(w.sent) == 1 and len(box) == 3  # busy: held
+    assert len(w.sent) == window and len(box) == 3  # busy: held
     box.on_ack()
-    assert len(w.sent) == 1  # still busy: an ack of an older batch
-    w.busy = False
+    assert len(w.sent) == window  # no acknowledgement yet
+    w.acked = 1
     box.on_ack()
-    assert [len(b) for b in w.sent] == [2, 3] and len(box) == 0  # gathered into one message
+    assert [len(b) for b in w.sent] == [2] * window + [3] and len(box) == 0  # gathered into one message
+    w.acked = len(w.sent)
     box.submit([_free(i) for i in range(9)])  # idle... and over max_held anyway
+    for _ in range(window - 1):
+        box.submit([_free(i) for i in range(5)])  # fills the window again
     box.submit([_free(i) for i in range(5)])
     box.submit([_free(i) for i in range(5)])  # 10 held >= 8: published although busy
-    assert [len(b) for b in w.sent] == [2, 3, 9, 10]
+    assert w.in_flight() == window + 1 and len(w.sent[-1]) == 10 and len(box) == 0
 
 
 @pytest.mark.parametrize("reply", [Barrier(("k", 0)), "fetch", "custom"])
 def test_outbox_never_holds_what_a_caller_waits_for(reply: Any) -> None:
     w = FakeWorkers()
-    box = Outbox(w.publish, w.idle, max_held=1000)
+    box = Outbox(w.publish, w.in_flight, max_held=1000, window=1)
     box.submit([_free(0)])
     box.submit([_free(1)])
     assert len(box) == 1
@@ -260,10 +266,11 @@ def test_script_with_held_work_and_no_shutdown_exits() -> None:
 
 def test_failure_while_work_is_held_raises_instead_of_hanging() -> None:
     w = FakeWorkers()
-    box = Outbox(w.publish, w.idle, max_held=1000)
+    box = Outbox(w.publish, w.in_flight, max_held=1000, window=1)
     box.submit([_free(0)])
     box.submit([_free(1)])
     assert box.drop() == 1 and len(box) == 0
+    w.acked = 1
     t0 = time.monotonic()
     box.on_ack()
     assert time.monotonic() - t0 < 1.0 and len(w.sent) == 1

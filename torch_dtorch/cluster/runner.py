@@ -10,7 +10,7 @@ thread-mode :class:`~torch_dtorch.executor.worker.Worker`. What differs is the p
    ``JOIN``/``WELCOME``, the PUB/SUB handshake, every worker ready. Anything missing after ``start_timeout_s``
    raises :class:`WorkerStartError` naming it.
 2. work: batches are encoded by the codec and published in order, when the :mod:`~torch_dtorch.cluster.outbox`
-   says so (at once to idle workers, gathered while they are busy); uploads go to their worker's control socket
+   says so (at once while workers keep up, gathered while they are busy); uploads go to their worker's control socket
    (large ones to local workers through the shared-memory store, large CUDA ones as CUDA IPC handles:
    :mod:`~torch_dtorch.cluster.ipc`); values, barrier markers and acks come back on the PULL socket (a
    receiver thread, :mod:`~torch_dtorch.cluster.replies`, which also refuses late JOINs on the control socket).
@@ -113,7 +113,7 @@ class ClusterRunner:
         #: held work for busy workers, published at the latest at ``ClusterConfig.batch_size`` instructions
         #: (``DTORCH_CLUSTER_BATCH_SIZE``, default :data:`DEFAULT_BATCH_SIZE`)
         self.outbox = Outbox(
-            self._publish, self._all_acked, max_held=self.config.batch_size or DEFAULT_BATCH_SIZE
+            self._publish, self._in_flight, max_held=self.config.batch_size or DEFAULT_BATCH_SIZE
         )
         self.members = {d: Member(d) for d in self.devices}
         self._by_id = {m.worker_id: m for m in self.members.values()}
@@ -189,13 +189,13 @@ class ClusterRunner:
         assert self.net.pub is not None
         self._batches = self.net.pub.send(tree, kind=MessageKind.BATCH)
 
-    def _all_acked(self) -> bool:
-        target = self._batches
-        return all(m.acked >= target for m in self.members.values())
+    def _in_flight(self) -> int:
+        """Messages published that the slowest worker has not acknowledged yet."""
+        return self._batches - min(m.acked for m in self.members.values())
 
     def released(self) -> None:
-        """A worker acknowledged batches (the receiver thread): held work goes out once every worker is idle."""
-        if len(self.outbox) and self._all_acked():
+        """A worker acknowledged batches (the receiver thread): held work goes out once few enough are in flight."""
+        if len(self.outbox) and self._in_flight() < self.outbox.window:
             with self._lock:
                 if not self._closed and self.failure is None:
                     self.outbox.on_ack()
