@@ -1,14 +1,17 @@
-"""Binary hit records (codec v2): the eager fast path's hits and the frees between them, as fixed-width words.
+"""Binary hit records (codec v3): the eager fast path's hits and the frees between them, as fixed-width words.
 
-A fast-path hit (:class:`~torch_dtorch.executor.instructions.FastRun`) of a plan that moves no input and makes no
-view travels as one record of signed 64-bit little-endian words in the batch's *hit frame* (a frame of the signed
+A fast-path hit (:class:`~torch_dtorch.executor.instructions.FastRun`) of a plan that moves no input and writes no
+input in place — views, list arguments (``cat``) and the Python fast path's hits included — travels as one record of signed 64-bit little-endian words in the batch's *hit frame* (a frame of the signed
 wire message, covered by its HMAC like every other frame)::
 
     hit:   [hid << 2 | 0, node_id, first_output_id, input_id_0, ..., input_id_{n-1}]   (-1: an absent slot)
     free:  [count << 2 | 1, operand_id_0, ..., operand_id_{count-1}]
 
-``hid`` names a *hit template*: the first hit of a plan travels as a JSON ``RunOp`` wrapped in ``["Y", hid, ...]``
-(its operator template, output types and devices); every later hit of that plan is a record of ``3 + n`` words.
+``hid`` names a *hit template*: the first hit of a template travels as a JSON ``RunOp`` wrapped in ``["Y", hid, ...]``
+(its operator template, output types and devices); every later hit of it is a record of ``3 + n`` words. A template
+is keyed by the plan (which fixes every constant of a native hit), the outputs' ``requires_grad`` and, for the Python
+fast path's hits, the call's constants and operand slots (:func:`~torch_dtorch.cluster.codec.common.template_key`).
+A record's outputs carry no view metadata on the worker (the replayed view op makes the local view).
 The JSON instruction list says where records go in the order: ``["H", n_words]`` stands for the next ``n_words``
 words of the hit frame. Outputs of a hit are ``first_output_id, first_output_id + 1, ...``.
 
