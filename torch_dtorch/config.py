@@ -18,6 +18,8 @@
 | ``DTORCH_CLUSTER_LOCAL_DEVICES`` | cluster mode: devices started as local processes (``0,1``, ``none``); the others must join remotely | all |
 | ``DTORCH_CLUSTER_TRANSPORT`` | cluster mode, one host: ``ipc`` or ``tcp`` (loopback) sockets | ``ipc`` |
 | ``DTORCH_WORKER_IMPORTS`` | cluster mode: comma-separated modules every worker imports at start (custom rules, instruction handlers) | none |
+| ``DTORCH_CLUSTER_BATCH_SIZE`` | cluster mode: instructions the runner's outbox holds for busy workers before it sends them anyway (``torch_dtorch/cluster/outbox.py``: workers with fewer than 2 messages unacknowledged get each chunk of 64 at once, busy ones what gathered when they acknowledge; a sync, a fetch or any instruction that replies goes at once) | ``256`` |
+| ``DTORCH_WORKER_PROFILE`` | cluster mode: a directory; each local worker process writes a cProfile of its kernel thread (receive, decode, run) there when it exits: ``worker-<device>-<pid>.prof`` (``torch_dtorch/cluster/worker/profile.py``). Worker processes the controller starts also get its intra-op thread count (``OMP_NUM_THREADS`` = ``torch.get_num_threads()``), so N workers do not oversubscribe a small host | unset |
 | ``DTORCH_SHM_THRESHOLD_BYTES`` | cluster mode: uploads/fetches at least this large use shared memory between local processes (when available) | ``1048576`` |
 | ``DTORCH_CUDA_IPC`` | cluster mode: ``0`` sends CUDA tensors between the controller and its local workers through shared memory instead of CUDA IPC handles | ``1`` |
 | ``DTORCH_HEARTBEAT_TIMEOUT_S`` | cluster mode: a worker silent this long is reported lost (``WorkerLostError``; a worker process that dies is reported at once) | ``5.0`` |

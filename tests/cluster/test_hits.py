@@ -96,9 +96,9 @@ def test_records_decode_to_the_same_instructions_as_json(batches: list[list[Inst
         words += len(dec._words)
         assert [type(i) for i in got] == [type(i) for i in want]
         for a, b in zip(want, got, strict=True):
-            same_instr(a, b)
+            same_instr(a, b, views=False)  # a record's view outputs are plain operands on the worker
             if type(a) is RunOp:
-                assert (a.replay_key is None) == (b.replay_key is None)
+                assert b.replay_key is not None or a.replay_key is None
     assert words > 5 * n_fast // 2, "most hits should travel as records"
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 import zmq
 
 from torch_dtorch.cluster.protocol import WorkerStartError
@@ -89,6 +90,9 @@ def spawn_worker(
     finally:
         os.close(wfd)
     env = dict(os.environ)
+    # the controller's intra-op thread count (a benchmark's ``torch.set_num_threads(1)`` included): N workers that
+    # each took every core of a small box would oversubscribe it
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     env.update(extra_env)
     cmd = [sys.executable, "-m", "torch_dtorch.cluster.worker", "--controller", control_endpoint,
            "--device", str(m.device), "--secret-fd", str(rfd), "--start-timeout", str(start_timeout_s)]  # fmt: skip

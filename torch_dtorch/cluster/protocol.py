@@ -64,8 +64,8 @@ ENV_BATCH_SIZE = "DTORCH_CLUSTER_BATCH_SIZE"
 DEFAULT_START_TIMEOUT_S = 120.0
 #: uploads/fetches at least this large go through shared memory between processes of one host (when available)
 DEFAULT_SHM_THRESHOLD = 1 << 20
-#: instructions per batch in process mode unless set: a batch costs a signed message, a worker wake-up and a native
-#: chain on each worker, so it is larger than thread mode's 64 (bench/process_wire.py, docs/benchmarks.md)
+#: instructions the outbox holds for busy workers before it publishes them anyway, unless set: a message costs a
+#: signed send, a worker wake-up and a native chain on each worker (cluster/outbox.py, docs/benchmarks.md)
 DEFAULT_BATCH_SIZE = 256
 
 #: exit codes of a worker process
@@ -157,8 +157,9 @@ class ClusterConfig:
         cuda_ipc: CUDA tensors of at least ``shm_threshold`` bytes travel between this controller and the workers
             it started as CUDA IPC handles (no host copy; :mod:`.cluster_ipc`); ``False``: through shared memory.
             Env ``DTORCH_CUDA_IPC`` (``1``; ``0`` disables it).
-        batch_size: instructions per batch the controller sends (``None``: ``DTORCH_BATCH_SIZE`` when it was set,
-            else :data:`DEFAULT_BATCH_SIZE`). Env ``DTORCH_CLUSTER_BATCH_SIZE``.
+        batch_size: instructions held for busy workers before they are published anyway (``None``:
+            :data:`DEFAULT_BATCH_SIZE`; idle workers get each chunk at once: :mod:`.outbox`). Env
+            ``DTORCH_CLUSTER_BATCH_SIZE``.
     """
 
     listen: str | None = None

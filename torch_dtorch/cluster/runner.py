@@ -9,10 +9,12 @@ thread-mode :class:`~torch_dtorch.executor.worker.Worker`. What differs is the p
    ``TCPStore`` for the ``torch.distributed`` rendezvous, the sockets, local workers spawned, signed
    ``JOIN``/``WELCOME``, the PUB/SUB handshake, every worker ready. Anything missing after ``start_timeout_s``
    raises :class:`WorkerStartError` naming it.
-2. work: batches are encoded by the codec and published in order; uploads go to their worker's control socket
+2. work: batches are encoded by the codec and published in order, when the :mod:`~torch_dtorch.cluster.outbox`
+   says so (at once while workers keep up, gathered while they are busy); uploads go to their worker's control socket
    (large ones to local workers through the shared-memory store, large CUDA ones as CUDA IPC handles:
    :mod:`~torch_dtorch.cluster.ipc`); values, barrier markers and acks come back on the PULL socket (a
-   receiver thread, which also refuses late JOINs on the control socket).
+   receiver thread, :mod:`~torch_dtorch.cluster.replies`, which also refuses late JOINs on the control socket).
+   The memory pre-check's pools: :mod:`~torch_dtorch.cluster.pools`.
 3. failure: a worker that dies (heartbeat stream breaks, or its process exits) or stops beating for
    ``DTORCH_HEARTBEAT_TIMEOUT_S`` fails the runner with :class:`WorkerLostError` (worker, host, last op); one busy on
    one op beyond ``DTORCH_HANG_TIMEOUT_S`` with :class:`WorkerHangError`. Every pending and later value request
@@ -28,24 +30,17 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import zmq
 
 from torch_dtorch.cluster.codec import BatchEncoder
 from torch_dtorch.cluster.heartbeat import HeartbeatError, WorkerHangError, WorkerLostError
-from torch_dtorch.cluster.ipc import (
-    CudaIpcError,
-    IpcAck,
-    IpcOutbox,
-    ack_body,
-    is_ipc_body,
-    open_copy,
-    parse_ack,
-)
+from torch_dtorch.cluster.ipc import CudaIpcError, IpcAck, IpcOutbox, is_ipc_body
 from torch_dtorch.cluster.joins import Member, reap_local_workers
+from torch_dtorch.cluster.outbox import CHUNK, Outbox
+from torch_dtorch.cluster.pools import memory_pools
 from torch_dtorch.cluster.protocol import (
     DEFAULT_BATCH_SIZE,
     ClusterConfig,
@@ -54,29 +49,21 @@ from torch_dtorch.cluster.protocol import (
     new_secret,
     read_secret_file,
 )
+from torch_dtorch.cluster.replies import Replies
 from torch_dtorch.cluster.startup import ClusterStartup
-from torch_dtorch.cluster.store import (
-    ControllerStore,
-    Route,
-    key_from_wire,
-    tensor_route,
-    value_body,
-    value_from_body,
-)
+from torch_dtorch.cluster.store import ControllerStore, Route, tensor_route, value_body
 from torch_dtorch.cluster.transport import MessageKind, TransportError
 from torch_dtorch.cluster.transport.rejects import RejectLog
 from torch_dtorch.cluster.transport.tempdirs import private_dir
-from torch_dtorch.collectives.errors import TensorStoreError
 from torch_dtorch.collectives.group import collective_timeout_s
 from torch_dtorch.config import get_config
 from torch_dtorch.executor.instructions import Instruction
-from torch_dtorch.executor.memory_check import MemoryPool, host_available_bytes
+from torch_dtorch.executor.memory_check import MemoryPool
 
 __all__ = ["ClusterRunner"]
 
 log = logging.getLogger(__name__)
 
-_JOIN_POLL_S = 0.05  # after start-up, the receiver thread answers late JOINs this often
 _EXIT_GRACE_S = 3.0
 
 
@@ -118,12 +105,15 @@ class ClusterRunner:
             secret = read_secret_file(self.config.secret_file) if self.config.secret_file else new_secret()
         self._secret = secret
         self._encoder = BatchEncoder()
-        #: instructions per batch the executor should send (``ClusterConfig.batch_size``; else an explicit
-        #: ``DTORCH_BATCH_SIZE``; else ``DEFAULT_BATCH_SIZE``)
-        self.batch_size = self.config.batch_size or (
-            cfg.batch_size
-            if "DTORCH_BATCH_SIZE" in os.environ or cfg.batch_size != 64
-            else DEFAULT_BATCH_SIZE
+        #: instructions per chunk the executor hands over (an explicit ``DTORCH_BATCH_SIZE``, else
+        #: :data:`~torch_dtorch.cluster.outbox.CHUNK`)
+        self.batch_size = (
+            cfg.batch_size if "DTORCH_BATCH_SIZE" in os.environ or cfg.batch_size != 64 else CHUNK
+        )
+        #: held work for busy workers, published at the latest at ``ClusterConfig.batch_size`` instructions
+        #: (``DTORCH_CLUSTER_BATCH_SIZE``, default :data:`DEFAULT_BATCH_SIZE`)
+        self.outbox = Outbox(
+            self._publish, self._in_flight, max_held=self.config.batch_size or DEFAULT_BATCH_SIZE
         )
         self.members = {d: Member(d) for d in self.devices}
         self._by_id = {m.worker_id: m for m in self.members.values()}
@@ -140,6 +130,7 @@ class ClusterRunner:
         self._tmpdir = private_dir("cluster")  # 0700: private to this user; named after this pid
         self._threads: list[threading.Thread] = []
         self._abort: threading.Thread | None = None
+        self.replies = Replies(self)
         #: the sockets, stores and heartbeat monitor start-up opens
         self.net = ClusterStartup(
             devices=self.devices,
@@ -154,7 +145,7 @@ class ClusterRunner:
             members=self.members,
             on_failure=self._on_failure,
             on_reject=self._on_reject,
-            on_message=self._handle,
+            on_message=self.replies.handle,
             failure=lambda: self.failure,
         )
         #: CUDA tensors shared with workers (uploads), held until each worker acknowledged its copy
@@ -164,7 +155,7 @@ class ClusterRunner:
         try:
             self.net.start()
             for target, name in (
-                (self._receive_loop, "dtorch-cluster-recv"),
+                (self.replies.loop, "dtorch-cluster-recv"),
                 (self._watch_procs, "dtorch-cluster-procs"),
             ):
                 thread = threading.Thread(target=target, name=name, daemon=True)
@@ -176,8 +167,9 @@ class ClusterRunner:
 
     # --- work ---------------------------------------------------------------------------------------------------
     def submit(self, batch: Sequence[Instruction]) -> None:
-        """Publish ``batch`` to every worker (each runs the instructions that concern it). After a failure the
-        batch is dropped: the failure is raised by the next value request."""
+        """Hand ``batch`` to every worker (each runs the instructions that concern it): published now or held
+        while they are busy (:mod:`~torch_dtorch.cluster.outbox`). After a failure the batch is dropped: the
+        failure is raised by the next value request."""
         with self._lock:
             if self._closed or self.failure is not None:
                 if self.failure is None:
@@ -186,9 +178,27 @@ class ClusterRunner:
                     "ClusterRunner: dropped a batch of %d after %s", len(batch), type(self.failure).__name__
                 )
                 return
-            tree = self._encoder.encode(list(batch))
-            assert self.net.pub is not None
-            self._batches = self.net.pub.send(tree, kind=MessageKind.BATCH)
+            self.outbox.submit(batch)
+
+    def _publish(self, batch: list[Instruction]) -> None:
+        """Encode and publish one batch (the outbox calls it; callers hold ``_lock``)."""
+        if self._closed or self.failure is not None:
+            self.outbox.drop()
+            return
+        tree = self._encoder.encode(batch)
+        assert self.net.pub is not None
+        self._batches = self.net.pub.send(tree, kind=MessageKind.BATCH)
+
+    def _in_flight(self) -> int:
+        """Messages published that the slowest worker has not acknowledged yet."""
+        return self._batches - min(m.acked for m in self.members.values())
+
+    def released(self) -> None:
+        """A worker acknowledged batches (the receiver thread): held work goes out once few enough are in flight."""
+        if len(self.outbox) and self._in_flight() < self.outbox.window:
+            with self._lock:
+                if not self._closed and self.failure is None:
+                    self.outbox.on_ack()
 
     def _send_value(self, device: int, key: Any, value: Any) -> None:
         m = self.members.get(device)
@@ -234,132 +244,20 @@ class ClusterRunner:
             self.net.control.send_multipart([m.identity, *frames], copy=False)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until every worker acknowledged every batch published so far (tests, benchmarks)."""
+        """Block until every worker acknowledged every batch submitted so far (tests, benchmarks, the memory
+        pre-check's idle test); held work is published first."""
+        if len(self.outbox):
+            if timeout == 0:
+                return False
+            with self._lock:
+                if not self._closed and self.failure is None:
+                    self.outbox.flush()
         target = self._batches
         with self._acks:
             return self._acks.wait_for(
                 lambda: self.failure is not None or all(m.acked >= target for m in self.members.values()),
                 timeout,
             )
-
-    # --- the receiver thread ------------------------------------------------------------------------------------
-    def _receive_loop(self) -> None:
-        pull, desk = self.net.pull, self.net.desk
-        assert pull is not None and desk is not None
-        next_joins = 0.0
-        while not self._closed:
-            now = time.monotonic()
-            if now >= next_joins:  # late JOINs: refused and reported (the socket is shared with uploads)
-                next_joins = now + _JOIN_POLL_S
-                with self._lock:
-                    if self._closed:
-                        return
-                    try:
-                        desk.serve(0)
-                    except zmq.ZMQError:
-                        return
-            try:
-                msg = pull.recv(_JOIN_POLL_S)
-            except TransportError as e:  # a sequence gap: replies were lost
-                if not self._closed:
-                    self._on_failure(WorkerFailedError(f"ClusterRunner: lost worker replies: {e}"))
-                return
-            except zmq.ZMQError:
-                return
-            if msg is not None:
-                self._handle(msg)
-
-    def _handle(self, msg: Any) -> None:
-        m = self._by_id.get(msg.sender)
-        if m is None:
-            self._on_reject(TransportError(f"reply from unknown sender {msg.sender!r} dropped"))
-            return
-        body = msg.body if isinstance(msg.body, dict) else {}
-        mem_free = body.get("mem_free")
-        if type(mem_free) is int and mem_free >= 0:  # the memory pre-check's figure of its device
-            m.mem_free = mem_free
-            m.mem_reports += 1
-        if msg.kind == MessageKind.VALUE:
-            try:
-                if m.local and is_ipc_body(body):
-                    kv = self._receive_ipc(m, body)
-                else:
-                    shm = self.net.shm if m.local else None
-                    kv = value_from_body(body, device=m.device, shm=shm, direction="f")
-            except Exception as e:  # noqa: BLE001
-                self._on_reject(TransportError(f"bad VALUE from {m.worker_id}: {e}"))
-                return
-            if kv is not None:
-                self.store.deliver(*kv)
-            if isinstance(
-                body.get("ack"), int
-            ):  # the batch that ended with this reply is done (and all before)
-                with self._acks:
-                    m.acked = max(m.acked, body["ack"])
-                    self._acks.notify_all()
-        elif msg.kind == MessageKind.ACK:
-            if body.get("ready"):
-                m.ready = True
-                if isinstance(body.get("cuda_index"), int):
-                    m.cuda_index = body["cuda_index"]
-            elif "ipc_done" in body:
-                self._ipc_acknowledged(m, body)
-            elif isinstance(body.get("ack"), int):  # cumulative: every batch up to this one ran
-                with self._acks:
-                    m.acked = max(m.acked, body["ack"])
-                    self._acks.notify_all()
-        elif msg.kind == MessageKind.ERROR:
-            if "rejected" in body:
-                n = body.get("count", 1)
-                self._on_reject(
-                    TransportError(f"worker {m.worker_id} dropped a message: {body['rejected']}"),
-                    count=n if type(n) is int and 0 < n < 1 << 62 else 1,
-                )
-            else:
-                err = WorkerFailedError(
-                    f"worker {m.worker_id} on host {m.host!r} failed and left the cluster: {body.get('fatal', body)}"
-                )
-                self._on_failure(err)
-
-    def _receive_ipc(self, m: Member, body: dict[str, Any]) -> tuple[Any, torch.Tensor] | None:
-        """A fetched value ``m`` shared through CUDA IPC: copied here, then acknowledged (``None``: could not
-        open it; ``m`` resends it through host memory)."""
-        key = key_from_wire(body.get("key"))
-        try:
-            value = open_copy(body["cuda_ipc"])  # a tensor of this process, on the worker's GPU
-        except CudaIpcError as e:
-            log.warning("ClusterRunner: %s; CUDA IPC off for %s (host memory instead)", e, m.worker_id)
-            m.cuda_ipc = False
-            self.cuda_ipc_counts["fallback"] += 1
-            self._send_control(m, ack_body(key, error=e), kind=MessageKind.ACK)
-            return None
-        self.cuda_ipc_counts["received"] += 1
-        self._send_control(m, ack_body(key), kind=MessageKind.ACK)
-        return key, value
-
-    def _ipc_acknowledged(self, m: Member, body: dict[str, Any]) -> None:
-        """``m`` copied an upload shared through CUDA IPC (drop it) or could not open it (resend it)."""
-        try:
-            ack = parse_ack(body)
-        except TensorStoreError as e:
-            self._on_reject(TransportError(f"bad ACK from {m.worker_id}: {e}"))
-            return
-        held = self._ipc.release(ack)
-        if ack.ok or held is None:
-            return
-        log.warning(
-            "ClusterRunner: %s could not open %r (%s); resending it through host memory",
-            m.worker_id,
-            ack.key,
-            ack.error,
-        )
-        m.cuda_ipc = False
-        self.cuda_ipc_counts["fallback"] += 1
-        try:
-            torch.cuda.synchronize(held.device)  # its copy ran on the uploading thread's stream
-            self._send_value(m.device, ack.key, held)
-        except Exception as e:  # noqa: BLE001 - the cluster failed meanwhile: the upload's reader gets that
-            log.debug("ClusterRunner: resend of %r failed: %s", ack.key, e)
 
     def _watch_procs(self) -> None:
         """Local workers: a process that exits without being asked is lost (faster than any heartbeat)."""
@@ -378,26 +276,8 @@ class ClusterRunner:
             time.sleep(0.05)
 
     def memory_pools(self) -> list[MemoryPool]:
-        """The memory the controller's pre-check watches (:mod:`~torch_dtorch.executor.memory_check`): local CPU
-        workers share this host's RAM (read here); remote CPU workers their host's, and CUDA workers their GPU's
-        (as each worker last reported it: when ready and with every value it sends)."""
-        pools: list[MemoryPool] = []
-        groups: dict[tuple[str, int | None], list[Member]] = {}
-        for m in self.members.values():
-            if self.device_type == "cpu" and m.local:
-                groups.setdefault(("", None), []).append(m)
-            else:
-                groups.setdefault((m.host, m.cuda_index if self.device_type == "cuda" else None), []).append(
-                    m
-                )
-        for (host, index), ms in groups.items():
-            devices = tuple(m.device for m in ms)
-            if self.device_type == "cpu" and not host and index is None and all(m.local for m in ms):
-                pools.append(MemoryPool("host RAM", devices, host_available_bytes))
-                continue
-            name = f"cuda:{index} of host {host!r}" if self.device_type == "cuda" else f"RAM of host {host!r}"
-            pools.append(MemoryPool(name, devices, _reported_free(ms), _report_count(ms)))
-        return pools
+        """The memory the controller's pre-check watches (:mod:`torch_dtorch.cluster.pools`)."""
+        return memory_pools(self.members.values(), device_type=self.device_type)
 
     # --- failure ------------------------------------------------------------------------------------------------
     def _on_reject(self, err: TransportError, *, count: int = 1) -> None:
@@ -445,6 +325,18 @@ class ClusterRunner:
     def _stop_everything(self, *, graceful: bool = False, timeout: float = _EXIT_GRACE_S) -> None:
         with self._lock:
             first = not self._closed
+            if (
+                first
+                and graceful
+                and self.failure is None
+                and self.net.pub is not None
+                and self.net.pub.connected
+            ):
+                try:  # held work goes before SHUTDOWN (workers take it between batches)
+                    self.outbox.flush()
+                except Exception as e:  # noqa: BLE001 - shutting down anyway
+                    log.warning("ClusterRunner: could not send held work at shutdown: %s", e)
+            self.outbox.drop()
             self._closed = True
             if first and self.net.pub is not None and self.net.pub.connected:
                 try:
@@ -493,18 +385,6 @@ class ClusterRunner:
     def __repr__(self) -> str:
         state = "failed" if self.failure is not None else "closed" if self._closed else "running"
         return f"ClusterRunner(devices={list(self.devices)}, {self.device_type}, {state})"
-
-
-def _report_count(ms: list[Member]) -> Callable[[], int]:
-    return lambda: sum(m.mem_reports for m in ms)
-
-
-def _reported_free(ms: list[Member]) -> Callable[[], int | None]:
-    def free() -> int | None:
-        figures = [m.mem_free for m in ms if m.mem_free is not None]
-        return min(figures) if figures else None
-
-    return free
 
 
 __all__ += ["HeartbeatError", "WorkerFailedError", "WorkerHangError", "WorkerLostError", "WorkerStartError"]

@@ -11,9 +11,11 @@ import torch
 
 from torch_dtorch.errors import DTorchError, NoRuleError
 from torch_dtorch.executor.instructions import Barrier, Fetch, Free, Redistribute, RunOp, Upload
+from torch_dtorch.graph import Operand
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.redistribute import steps as _steps
+from torch_dtorch.placement_rules.rule import number_key
 
 if TYPE_CHECKING:
     from torch_dtorch.cluster.codec.decoder import DecodeContext
@@ -22,8 +24,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = "dtorch-codec"
-#: 2: binary hit records (``codec/hits.py``) in a frame of their own, after the JSON payload
-VERSION = 2
+#: 2: binary hit records (``codec/hits.py``) in a frame of their own, after the JSON payload; 3: records for
+#: views, list arguments and the Python fast path's hits too (a v2 worker refused their hit templates)
+VERSION = 3
 #: operands kept by both sides before the oldest are forgotten (at the start of a batch)
 MAX_OPERANDS = 1 << 16
 #: entries of a metadata table (templates, operand types, ...) before it is cleared (at the start of a batch)
@@ -160,3 +163,55 @@ def nonfinite_from_body(body: str) -> float:
     if len(body) == 16:
         return float(struct.unpack("<d", bytes.fromhex(body))[0])
     return float(body)
+
+
+_END = object()
+
+
+def template_key(a: Any, key: list[Any], inputs: list[Operand | None]) -> bool:
+    """Append a hashable, type-exact stand-in of one argument to ``key`` (operands: their input slot); False if
+    it cannot be cached (tensor constants are mutable, other types are encoded by value each time). Keys the
+    encoder's templates and the hit templates of the Python fast path's hits."""
+    t = type(a)
+    if t is tuple or t is list:
+        key.append(t)
+        for x in a:
+            tx = type(x)
+            if tx is Operand:
+                try:
+                    k = inputs.index(x)  # identity: operands compare by identity
+                except ValueError:
+                    return False
+                key.append(Slot)
+                key.append(k)
+            elif tx is int or tx is str or tx is bool or x is None:
+                key.append(tx)
+                key.append(x)
+            elif not template_key(x, key, inputs):
+                return False
+        key.append(_END)
+    elif t is Operand:
+        try:
+            k = inputs.index(a)
+        except ValueError:
+            return False
+        key.append(Slot)
+        key.append(k)
+    elif t is int or t is str or t is bool or a is None:
+        key.append(t)
+        key.append(a)
+    elif t is float or t is complex:
+        key.append(number_key(a))  # by bits: tells -0.0 and the signs of NaNs apart
+    elif t is dict:
+        key.append(dict)
+        for k, v in a.items():
+            key.append(k)
+            if not template_key(v, key, inputs):
+                return False
+        key.append(_END)
+    elif t in CONST_TAG or t is torch.device or t is torch.Size:
+        key.append(t)
+        key.append(a)
+    else:
+        return False
+    return True

@@ -21,10 +21,10 @@ from torch_dtorch.cluster.codec.common import (
     TABLES,
     VERSION,
     CodecError,
-    Slot,
     nonfinite_body,
     op_name,
     pl_str,
+    template_key,
 )
 from torch_dtorch.cluster.codec.hits import HitEncoding, hits_enabled, pack
 from torch_dtorch.errors import NoRuleError
@@ -44,59 +44,8 @@ from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan
-from torch_dtorch.placement_rules.rule import number_key
 
 __all__ = ["BatchEncoder", "EncodeContext"]
-
-_END = object()
-
-
-def _key(a: Any, key: list[Any], inputs: list[Operand | None]) -> bool:
-    """Append a hashable, type-exact stand-in of one argument to ``key`` (operands: their input slot); False if
-    it cannot be cached (tensor constants are mutable, other types are encoded by value each time)."""
-    t = type(a)
-    if t is tuple or t is list:
-        key.append(t)
-        for x in a:
-            tx = type(x)
-            if tx is Operand:
-                try:
-                    k = inputs.index(x)  # identity: operands compare by identity
-                except ValueError:
-                    return False
-                key.append(Slot)
-                key.append(k)
-            elif tx is int or tx is str or tx is bool or x is None:
-                key.append(tx)
-                key.append(x)
-            elif not _key(x, key, inputs):
-                return False
-        key.append(_END)
-    elif t is Operand:
-        try:
-            k = inputs.index(a)
-        except ValueError:
-            return False
-        key.append(Slot)
-        key.append(k)
-    elif t is int or t is str or t is bool or a is None:
-        key.append(t)
-        key.append(a)
-    elif t is float or t is complex:
-        key.append(number_key(a))  # by bits: tells -0.0 and the signs of NaNs apart
-    elif t is dict:
-        key.append(dict)
-        for k, v in a.items():
-            key.append(k)
-            if not _key(v, key, inputs):
-                return False
-        key.append(_END)
-    elif t in CONST_TAG or t is torch.device or t is torch.Size:
-        key.append(t)
-        key.append(a)
-    else:
-        return False
-    return True
 
 
 class EncodeContext:
@@ -385,9 +334,9 @@ class BatchEncoder(EncodeContext, HitEncoding):
         key: list[Any] = [id(op), id(out_meta), id(assign), id(cost), id(mesh), node.family, node.note, same]
         key.extend(map(id, call.placements))
         n_fast = len(key)
-        ok = _key(args, key, inputs) and (not kwargs or _key(kwargs, key, inputs))
+        ok = template_key(args, key, inputs) and (not kwargs or template_key(kwargs, key, inputs))
         if ok and not same:
-            ok = _key(call.args, key, inputs) and _key(call.kwargs, key, inputs)
+            ok = template_key(call.args, key, inputs) and template_key(call.kwargs, key, inputs)
         tmpl: Any
         if ok:
             fast = self._fast["tmpl"]

@@ -1,14 +1,17 @@
-"""Binary hit records (codec v2): the eager fast path's hits and the frees between them, as fixed-width words.
+"""Binary hit records (codec v3): the eager fast path's hits and the frees between them, as fixed-width words.
 
-A fast-path hit (:class:`~torch_dtorch.executor.instructions.FastRun`) of a plan that moves no input and makes no
-view travels as one record of signed 64-bit little-endian words in the batch's *hit frame* (a frame of the signed
+A fast-path hit (:class:`~torch_dtorch.executor.instructions.FastRun`) of a plan that moves no input and writes no
+input in place — views, list arguments (``cat``) and the Python fast path's hits included — travels as one record of signed 64-bit little-endian words in the batch's *hit frame* (a frame of the signed
 wire message, covered by its HMAC like every other frame)::
 
     hit:   [hid << 2 | 0, node_id, first_output_id, input_id_0, ..., input_id_{n-1}]   (-1: an absent slot)
     free:  [count << 2 | 1, operand_id_0, ..., operand_id_{count-1}]
 
-``hid`` names a *hit template*: the first hit of a plan travels as a JSON ``RunOp`` wrapped in ``["Y", hid, ...]``
-(its operator template, output types and devices); every later hit of that plan is a record of ``3 + n`` words.
+``hid`` names a *hit template*: the first hit of a template travels as a JSON ``RunOp`` wrapped in ``["Y", hid, ...]``
+(its operator template, output types and devices); every later hit of it is a record of ``3 + n`` words. A template
+is keyed by the plan (which fixes every constant of a native hit), the outputs' ``requires_grad`` and, for the Python
+fast path's hits, the call's constants and operand slots (:func:`~torch_dtorch.cluster.codec.common.template_key`).
+A record's outputs carry no view metadata on the worker (the replayed view op makes the local view).
 The JSON instruction list says where records go in the order: ``["H", n_words]`` stands for the next ``n_words``
 words of the hit frame. Outputs of a hit are ``first_output_id, first_output_id + 1, ...``.
 
@@ -29,6 +32,7 @@ from array import array
 from typing import TYPE_CHECKING, Any
 
 from torch_dtorch.cluster.codec.common import CodecError
+from torch_dtorch.cluster.codec.common import template_key as _key
 from torch_dtorch.executor.instructions import FastRun, RunOp
 from torch_dtorch.graph import Operand
 
@@ -133,10 +137,11 @@ class HitEncoding:
         self._words: list[int] = []
 
     def _hit(self, run: FastRun) -> list[Any] | None:
-        """Encode ``run`` as a record (``None``), or return the JSON trees it needs instead (its first hit: the
-        ``RunOp`` that defines the template; anything a record cannot carry: the expanded instructions). The
-        controller's per-op cost: written out for the common case (native hit, one output, inputs known)."""
-        if run.args is None and run.call_site is None:  # native hits: the plan fixes every constant
+        """Encode ``run`` as a record (``None``), or return the JSON trees it needs instead (its template's first
+        hit: the ``RunOp`` that defines it; anything a record cannot carry — moved inputs, in-place writes, a call
+        site, tensor constants — the expanded instructions). The controller's per-op cost: written out for the
+        common case (native hit, one output, inputs known)."""
+        if run.call_site is None:
             plan = run.plan
             outs = run.outputs
             if len(outs) == 1:
@@ -146,6 +151,12 @@ class HitEncoding:
                 o = None
                 flags = tuple([x.requires_grad for x in outs])
                 key = plan if True not in flags else (plan, flags)
+            args = run.args
+            if args is not None:  # the Python fast path's hits: the constants (and slots) are part of the key
+                parts: list[Any] = []
+                if not _key(args, parts, run.inputs):
+                    return self._expanded(run)  # a tensor constant: one-shot templates only
+                key = (key, tuple(parts))
             known = self._operands
             ids: list[int] = []
             for x in run.inputs:
@@ -156,26 +167,28 @@ class HitEncoding:
                 else:
                     break  # an input the decoder does not know: the JSON path defines it
             else:
-                n = len(ids)
-                if n < 2 or (
-                    ids[0] != ids[1] if n == 2 else len(set(ids)) == n
-                ):  # ``x + x``: JSON tells slots
-                    hid = self._tables["hit"].get(key)
-                    if hid is not None:
-                        words = self._words
-                        words += (hid << 2, run.first_op, run.first_id)
-                        words += ids
-                        if o is not None:
+                hid = self._tables["hit"].get(key)
+                if hid is not None:
+                    words = self._words
+                    words += (hid << 2, run.first_op, run.first_id)
+                    words += ids
+                    if o is not None:
+                        known[o.id] = o
+                    else:
+                        for o in outs:
                             known[o.id] = o
-                        else:
-                            for o in outs:
-                                known[o.id] = o
-                        return None
-                    ok = self._hit_ok.get(plan)
-                    if ok is None:
-                        ok = self._hit_ok[plan] = _plan_fits(plan, run.inputs)
-                    if ok:
-                        return self._hit_define(run, key)
+                    return None
+                ok = self._hit_ok.get(plan)
+                if ok is None:
+                    ok = self._hit_ok[plan] = _plan_fits(plan)
+                # a template is defined from a call on distinct operands (``x * x`` of a native hit would make
+                # a template that reads slot 0 twice); its later records may repeat an operand
+                present = [i for i in ids if i >= 0]
+                if ok and (args is not None or len(set(present)) == len(present)):
+                    return self._hit_define(run, key)
+        return self._expanded(run)
+
+    def _expanded(self, run: FastRun) -> list[Any]:
         return [self._instr(part) for part in run.expand()]  # type: ignore[attr-defined]
 
     def _hit_define(self, run: FastRun, key: Any) -> list[Any]:
@@ -199,16 +212,12 @@ class HitEncoding:
             words += ids
 
 
-def _plan_fits(plan: Any, inputs: list[Operand | None]) -> bool:
-    """Whether every hit of ``plan`` can be a record: no moved inputs, no view outputs, and the operands only at
-    the top level of the arguments (the template's slots are the call's tensor slots)."""
-    if plan.nmoves or plan.view_of is not None or plan.args_of is None or not plan.compact:
+def _plan_fits(plan: Any) -> bool:
+    """Whether the hits of ``plan`` can be records: no moved inputs (their copies are extra operands and
+    instructions) and no in-place write (the output is the written input, not a new operand); views are records
+    too (workers keep no view metadata: the replayed view op makes the local view)."""
+    if plan.nmoves or plan.written is not None or not plan.compact:
         return False
-    for a in plan.args_of(inputs):
-        if type(a) in (list, tuple, dict):
-            vals = a.values() if type(a) is dict else a
-            if any(isinstance(v, (Operand, list, tuple, dict)) for v in vals):
-                return False
     return not any(isinstance(v, Operand) for v in plan.kwargs.values())
 
 
@@ -263,23 +272,28 @@ class HitDecoding:
 
     def _define_hit(self, tree: list[Any]) -> RunOp:
         _tag, hid, rtree = tree
-        instr = self._run_op(rtree)  # type: ignore[attr-defined]
+        if type(rtree) is not list or rtree[:1] != ["R"] or len(rtree) != 6:
+            raise CodecError(
+                f"instruction batch {self._batch_no}: hit template {hid!r} is not defined by a RunOp"
+            )
+        _r, node_id, ins, tmpl_tree, outs, call_site = rtree
+        inputs = [self.operand(r) for r in ins]  # type: ignore[attr-defined]
+        tm = self._template(tmpl_tree)  # type: ignore[attr-defined]
+        instr: RunOp = self._make_run_op(node_id, inputs, tm, outs, call_site)  # type: ignore[attr-defined]
         table = self._tables["hit"]
         if hid != len(table):
             raise CodecError(
                 f"instruction batch {self._batch_no}: hit template {hid!r} defined out of order (the decoder knows {len(table)})"
             )
-        tm = instr.replay_key
         node = instr.node
-        present = [x for x in node.inputs if x is not None]
-        if (
-            tm is None
-            or any(o.view is not None for o in node.outputs)
-            or len({id(x) for x in present}) < len(present)
-        ):
+        # a stored template whose call takes the node's arguments (list arguments included: ``cat``) is replayed
+        # from records: every record of it is the same call on other operands
+        if not (tm.stored and tm.cargs is None):
             raise CodecError(
                 f"instruction batch {self._batch_no}: hit template {hid}: its RunOp {node.name} cannot be replayed from records"
             )
+        if instr.replay_key is None:
+            instr = RunOp(node, instr.call_site, replay_key=tm)
         table.append(HitTemplate(tm, node))
         return instr
 
@@ -345,7 +359,12 @@ class HitDecoding:
         operand = self._run_operand
         inputs: list[Operand | None] = [None if i < 0 else operand(i) for i in ids]
         outputs = [operand(first + k) for k in range(ht.n_out)]
-        return self._make_run_op(node_id, inputs, ht.tm, outputs, None)  # type: ignore[attr-defined, no-any-return]
+        instr: RunOp = self._make_run_op(node_id, inputs, ht.tm, outputs, None)  # type: ignore[attr-defined]
+        if (
+            instr.replay_key is None
+        ):  # a template with list arguments: replayed all the same (see _define_hit)
+            instr = RunOp(instr.node, None, replay_key=ht.tm)
+        return instr
 
 
 def _make_operand(i: int, v: Any) -> Operand:

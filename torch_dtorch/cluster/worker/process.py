@@ -51,6 +51,7 @@ from torch_dtorch.cluster.transport.rejects import RejectLog
 from torch_dtorch.cluster.transport.tempdirs import remove_if_orphaned, remove_store_if_orphaned
 from torch_dtorch.cluster.transport.wire import decode, encode
 from torch_dtorch.cluster.worker.batch import BatchRun, LockedPusher, OpHeartbeat
+from torch_dtorch.cluster.worker.profile import kernel_thread_profile
 from torch_dtorch.collectives.shm_store import ShmTensorStore
 from torch_dtorch.collectives.torchdist import TorchDistComm
 from torch_dtorch.config import get_config
@@ -311,8 +312,9 @@ class WorkerProcess:
         thread's from now on). SHUTDOWN is seen between batches; a kernel that never ends is the controller's hang
         timeout's business (it then kills or abandons this process)."""
         try:
-            while not self.stop.is_set():
-                self._recv_one(_POLL_S, inline=True)
+            with kernel_thread_profile(self.device):  # DTORCH_WORKER_PROFILE
+                while not self.stop.is_set():
+                    self._recv_one(_POLL_S, inline=True)
         except BaseException as e:  # noqa: BLE001 - the process cannot go on without its batch loop
             self._fatal(f"the batch loop failed: {type(e).__name__}: {e}")
 
