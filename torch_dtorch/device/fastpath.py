@@ -33,14 +33,18 @@ from torch_dtorch.device.fastpath_keys import (
 from torch_dtorch.device.fastpath_template import Template
 from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.graph import Operand
+from torch_dtorch.mesh import current_mesh
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
 from torch_dtorch.placement_rules.rule import add_rule_listener, number_key
 
-__all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "stats"]
+__all__ = ["KWARG_SLOT", "MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "stats"]
 
 #: returned by :meth:`FastOp.__call__` when the call must take the full path
 MISS: Any = object()
+#: the position of a keyword-only ``Tensor?`` slot (SDPA's ``attn_mask``) in :attr:`FastOp.slot_pos`: past every
+#: positional argument, so the slot's input is ``None`` — a call with a tensor there misses (``_lookup``)
+KWARG_SLOT = 1 << 30
 _TEMPLATES_PER_OP = 4096
 #: hits / misses / templates recorded (for tests and benchmarks; the native kernel's hits and misses included)
 stats = {"hit": 0, "miss": 0, "recorded": 0}
@@ -80,6 +84,12 @@ class FastOp:
         self.grown: dict[tuple[Any, ...], fastpath_grow.Kept] = {}
         self.kind = kind  # "single" | "tuple" | "list"
         self.view_of = view_of
+
+    @property
+    def native_ok(self) -> bool:
+        """The C++ kernel may serve this op (it keys positional tensor slots only: no list, no in-place write, no
+        keyword-only tensor slot)."""
+        return self.list_pos is None and self.written is None and KWARG_SLOT not in self.slot_pos
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rt = state._SESSION
@@ -268,6 +278,7 @@ class FastOp:
         key: list[Any] = []
         targs = list(args)
         inputs: list[Operand | None] = []
+        unbound: list[tuple[int, int, Operand]] | None = None
         for i, a in enumerate(args):
             if i == lp:
                 if (type(a) is not list and type(a) is not tuple) or not a:
@@ -277,8 +288,13 @@ class FastOp:
                     if e is None or e.generation != gen or t.shape != e.shape:
                         return MISS
                     x = e.operand
-                    if x.mesh is None:
-                        return MISS
+                    if x.mesh is None:  # a KV cache's ``torch.tensor([], device=...)``: bound below
+                        if unbound is None:
+                            unbound = []
+                        unbound.append((len(inputs), len(key), x))
+                        key.append(None)
+                        inputs.append(x)
+                        continue
                     lid = e.layout
                     if lid is None:
                         lid = layout_of(x)
@@ -292,6 +308,8 @@ class FastOp:
             else:
                 key.append(constant_key(a))
         if not inputs:
+            return MISS
+        if unbound is not None and not _bind_elements(rt, unbound, inputs, key, targs, lp):  # type: ignore[arg-type]
             return MISS
         tpl = self._lookup(key, kwargs)
         if tpl is MISS:
@@ -379,6 +397,30 @@ class FastOp:
         return out
 
 
+def _bind_elements(
+    rt: Any,
+    unbound: list[tuple[int, int, Operand]],
+    inputs: list[Operand | None],
+    key: list[Any],
+    targs: list[Any],
+    lp: int,
+) -> bool:
+    """Materialize the unbound elements ``(j, k, x)`` of a list call (element ``j``, key entry ``k``) on the mesh
+    the full path binds them to — the first bound element's, else the innermost ``with mesh:``, else the last
+    op's (:func:`.fastpath_keys.bind_unbound`) — and put them and their layouts in ``inputs``, ``targs[lp]`` and
+    ``key``. ``False``: no mesh in sight (the full path decides)."""
+    first = next((x for x in inputs if x is not None and x.mesh is not None), None)
+    mesh = first.mesh if first is not None else current_mesh() or rt.last_mesh
+    if mesh is None:
+        return False
+    for j, k, x in unbound:
+        y = binding.bind(rt, x, mesh)
+        inputs[j] = y
+        key[k] = layout_of(y)
+    targs[lp] = list(inputs)
+    return True
+
+
 _FAST: dict[Any, FastOp | None] = {}
 
 
@@ -440,15 +482,19 @@ def fast_op(op: Any) -> FastOp | None:
         else:
             kind = "tuple"
         written = rule.output_is_input
+        optional = {a.name for a in schema.arguments if a.kwarg_only and str(a.type) == "Optional[Tensor]"}
         ok = (
             (written is None and not schema.is_mutable or _in_place_ok(schema, written, rule, len(rets)))
-            and (list_pos is not None or all(pos is not None and not is_list for pos, _, is_list in specs))
+            and (
+                list_pos is not None
+                or all((pos is not None or name in optional) and not is_list for pos, name, is_list in specs)
+            )
             and all(str(r.type) in ("Tensor", "List[Tensor]") for r in rets)
         )
         if ok:
             fast = FastOp(
                 op,
-                tuple(pos for pos, _, _ in specs),  # type: ignore[misc]
+                tuple(KWARG_SLOT if pos is None else pos for pos, _, _ in specs),
                 kind,
                 rule.view_of,
                 list_pos=list_pos,

@@ -1,0 +1,92 @@
+"""The ops of a training step on the eager fast path (issue 24): after the first call of a step's op on given
+layouts, later calls plan nothing (``GraphConstructor.num_planned``) and give the values plain torch gives.
+
+- ``cat`` of a list holding an *unbound* tensor (a KV cache's ``torch.tensor([], device=x.device)``, which HF models
+  build every forward, training included);
+- the SDPA pair with its log-sum-exp (``attention_grad.py``: forward and backward), whose ``attn_mask`` is a
+  keyword-only ``Tensor?`` slot;
+- the in-place ``_foreach_*_`` list ops of ``torch.optim`` (``foreach=True``), whose per-step scalars are no part
+  of the key.
+
+Meshes 1, 2, 3 (uneven), 2x2; thread mode and ``DTORCH_TEST_MODE=process``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_dtorch as dt
+from tests.eager.conftest import init_mesh, mesh_ids
+from torch_dtorch import Replicate, Shard
+from torch_dtorch.device.state import get_session
+
+MESHES = [(1,), (2,), (3,), (2, 2)]
+
+
+def _planned() -> int:
+    return get_session().executor.constructor.num_planned  # type: ignore[no-any-return]
+
+
+def _placements(mesh: dt.DeviceMesh, kind: str) -> list[Any]:
+    one = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}[kind]
+    return [one] + [Replicate()] * (mesh.ndim - 1)
+
+
+def _steady(fn: Callable[[], Any], *, warm: int = 2, steps: int = 2) -> list[Any]:
+    """``fn()`` ``warm`` times, then ``steps`` times asserting that nothing is planned in full; the last results."""
+    for _ in range(warm):
+        fn()
+    dt.sync()
+    planned = _planned()
+    out: list[Any] = []
+    for _ in range(steps):
+        out = fn()
+    dt.sync()
+    assert _planned() == planned, f"planned in full in a steady step: {_planned() - planned}"
+    return out
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=mesh_ids)
+@pytest.mark.parametrize("kind", ["R", "S0", "S1"])
+def test_cat_with_an_unbound_element_hits(shape: tuple[int, ...], kind: str) -> None:
+    mesh = init_mesh(shape)
+    a = torch.randn(5, 3, 4)  # uneven over 2 and 3 devices
+    x = dt.distribute_tensor(a, mesh, _placements(mesh, kind))
+
+    def step() -> list[Any]:
+        cache = torch.tensor([], device=x.device)  # unbound, new every step
+        k = torch.cat([cache, x], dim=-2)
+        return [torch.cat([k, x * 2], dim=-2)]
+
+    (got,) = _steady(step)
+    want = torch.cat([a, a * 2], dim=-2)
+    assert torch.equal(dt.to_torch(got), want)
+
+
+def _attention_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, ...]:
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    (out * out).sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=mesh_ids)
+@pytest.mark.parametrize("kind", ["R", "S0", "S1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_forward_and_backward_hit(shape: tuple[int, ...], kind: str, causal: bool) -> None:
+    mesh = init_mesh(shape)
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(3, 5, 6, 4, generator=g) for _ in range(3)]  # batch 3, heads 5: uneven shards
+    xs = [dt.distribute_tensor(t, mesh, _placements(mesh, kind)) for t in qkv]
+    got = _steady(lambda: _attention_step(*xs, causal))
+    want = _attention_step(*qkv, causal)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(dt.to_torch(a), b, atol=1e-5, rtol=1e-5, msg=name)
