@@ -90,3 +90,67 @@ def test_attention_forward_and_backward_hit(shape: tuple[int, ...], kind: str, c
     want = _attention_step(*qkv, causal)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         torch.testing.assert_close(dt.to_torch(a), b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _params(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+OPTIMIZERS: list[tuple[str, Callable[[list[Any]], torch.optim.Optimizer]]] = [
+    ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)),
+    ("adam_amsgrad", lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=True)),
+    ("sgd_momentum", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=True)),
+]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=mesh_ids)
+@pytest.mark.parametrize("kind", ["R", "S0", "S1"])
+@pytest.mark.parametrize(("name", "make"), OPTIMIZERS, ids=[o[0] for o in OPTIMIZERS])
+def test_foreach_optimizer_step_hits(
+    shape: tuple[int, ...], kind: str, name: str, make: Callable[[list[Any]], torch.optim.Optimizer]
+) -> None:
+    """Every step's list ops hit after the first steps, with the step's own scalars (bias corrections and a
+    scheduler's learning rate change every step); parameters and states equal torch's after every step."""
+    mesh = init_mesh(shape)
+    values = _params([(5, 3), (3, 5), (7, 2)])  # uneven over 2 and 3 devices
+    grads = _params([(5, 3), (3, 5), (7, 2)])
+    ref = [torch.nn.Parameter(v.clone()) for v in values]
+    ps = [torch.nn.Parameter(dt.distribute_tensor(v, mesh, _placements(mesh, kind))) for v in values]
+    opts = [make(ref), make(ps)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in opts]
+
+    def step(params: list[Any], opt: torch.optim.Optimizer, sched: Any, dist: bool) -> None:
+        for p, gr in zip(params, grads, strict=True):
+            p.grad = dt.distribute_tensor(gr, mesh, _placements(mesh, kind)) if dist else gr.clone()
+        opt.step()
+        sched.step()
+
+    for i in range(5):
+        step(ref, opts[0], scheds[0], False)
+        if i == 3:
+            dt.sync()
+            planned = _planned()
+        step(ps, opts[1], scheds[1], True)
+        dt.sync()
+        if i >= 3:
+            assert _planned() == planned, f"{name}: the optimizer step planned in full"
+        for p, r in zip(ps, ref, strict=True):
+            torch.testing.assert_close(dt.to_torch(p.detach()), r.detach(), atol=1e-6, rtol=1e-6)
+    for p, r in zip(ps, ref, strict=True):
+        for k, v in opts[0].state[r].items():
+            got = opts[1].state[p][k]
+            torch.testing.assert_close(dt.to_torch(got) if got.device.type != "cpu" else got, v, msg=k)
+
+
+def test_foreach_write_through_a_copy_view_raises_as_on_the_full_path() -> None:
+    """An in-place list op on a view of a redistributed copy misses (the hit would write into the copy, which
+    nothing reads), and the full path raises, after a template of the same layouts was learned."""
+    mesh = init_mesh((2,))
+    x = dt.distribute_tensor(torch.randn(5, 6), mesh, [Shard(0)])
+    y = x[1:3]  # across the shards: a view of a gathered copy
+    z = dt.distribute_tensor(torch.randn(2, 6), mesh, list(y.placements))
+    for _ in range(2):
+        torch._foreach_mul_([z], 2.0)
+    with pytest.raises(NotImplementedError, match="redistributed copy"):
+        torch._foreach_mul_([y], 2.0)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from torch_dtorch.device import binding, dispatch, fastpath_grow, state
 from torch_dtorch.device.fastpath_keys import (
+    MISS,
     SCALAR,
     bind_unbound,
     constant_key,
@@ -29,25 +30,22 @@ from torch_dtorch.device.fastpath_keys import (
     is_scalar_upload,
     layout_of,
     pattern_key,
+    stats,
 )
+from torch_dtorch.device.fastpath_lists import FastListOp, bind_elements, list_op_fits, writes_reach_base
 from torch_dtorch.device.fastpath_template import Template
 from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.graph import Operand
-from torch_dtorch.mesh import current_mesh
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
 from torch_dtorch.placement_rules.rule import add_rule_listener, number_key
 
 __all__ = ["KWARG_SLOT", "MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "stats"]
 
-#: returned by :meth:`FastOp.__call__` when the call must take the full path
-MISS: Any = object()
 #: the position of a keyword-only ``Tensor?`` slot (SDPA's ``attn_mask``) in :attr:`FastOp.slot_pos`: past every
 #: positional argument, so the slot's input is ``None`` — a call with a tensor there misses (``_lookup``)
 KWARG_SLOT = 1 << 30
 _TEMPLATES_PER_OP = 4096
-#: hits / misses / templates recorded (for tests and benchmarks; the native kernel's hits and misses included)
-stats = {"hit": 0, "miss": 0, "recorded": 0}
 
 #: per thread, the template the last Python fast-path call used or recorded (the native kernel learns it)
 _LEARNED = threading.local()
@@ -309,7 +307,7 @@ class FastOp:
                 key.append(constant_key(a))
         if not inputs:
             return MISS
-        if unbound is not None and not _bind_elements(rt, unbound, inputs, key, targs, lp):  # type: ignore[arg-type]
+        if unbound is not None and not bind_elements(rt, unbound, inputs, key, targs, lp):  # type: ignore[arg-type]
             return MISS
         tpl = self._lookup(key, kwargs)
         if tpl is MISS:
@@ -397,31 +395,7 @@ class FastOp:
         return out
 
 
-def _bind_elements(
-    rt: Any,
-    unbound: list[tuple[int, int, Operand]],
-    inputs: list[Operand | None],
-    key: list[Any],
-    targs: list[Any],
-    lp: int,
-) -> bool:
-    """Materialize the unbound elements ``(j, k, x)`` of a list call (element ``j``, key entry ``k``) on the mesh
-    the full path binds them to — the first bound element's, else the innermost ``with mesh:``, else the last
-    op's (:func:`.fastpath_keys.bind_unbound`) — and put them and their layouts in ``inputs``, ``targs[lp]`` and
-    ``key``. ``False``: no mesh in sight (the full path decides)."""
-    first = next((x for x in inputs if x is not None and x.mesh is not None), None)
-    mesh = first.mesh if first is not None else current_mesh() or rt.last_mesh
-    if mesh is None:
-        return False
-    for j, k, x in unbound:
-        y = binding.bind(rt, x, mesh)
-        inputs[j] = y
-        key[k] = layout_of(y)
-    targs[lp] = list(inputs)
-    return True
-
-
-_FAST: dict[Any, FastOp | None] = {}
+_FAST: dict[Any, FastOp | FastListOp | None] = {}
 
 
 def _in_place_ok(schema: Any, written: int | None, rule: Any, nrets: int) -> bool:
@@ -434,17 +408,6 @@ def _in_place_ok(schema: Any, written: int | None, rule: Any, nrets: int) -> boo
         return False
     writes = [k for k, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
     return writes == [written]
-
-
-def writes_reach_base(x: Operand) -> bool:
-    """A write into ``x`` lands in its base: no view on the way up is of a redistributed copy (the full path's
-    ``_check_write_reaches_base`` raises otherwise)."""
-    b = x.base
-    while b is not None:
-        if b.copy_of is not None:
-            return False
-        b = b.base
-    return True
 
 
 def _rule_changed(op: Any) -> None:
@@ -461,15 +424,18 @@ def _rule_changed(op: Any) -> None:
 add_rule_listener(_rule_changed)
 
 
-def fast_op(op: Any) -> FastOp | None:
-    """The :class:`FastOp` of ``op``, or ``None`` when ``op`` always takes the full path (random ops, in-place
-    ops other than those that write their one pinned positional ``self``, ops with tensor-list arguments or several
-    outputs of unknown structure)."""
+def fast_op(op: Any) -> FastOp | FastListOp | None:
+    """The :class:`FastOp` of ``op`` (a :class:`~.fastpath_lists.FastListOp` for in-place list ops), or ``None``
+    when ``op`` always takes the full path (random ops, other in-place ops than those that write their one pinned
+    positional ``self`` or their first list, ops with several tensor-list arguments that write none, outputs of
+    unknown structure)."""
     if op in _FAST:
         return _FAST[op]
-    fast: FastOp | None = None
+    fast: FastOp | FastListOp | None = None
     schema = getattr(op, "_schema", None)
-    if schema is not None and op not in dispatch.RANDOM_OPS:
+    if schema is not None and op not in dispatch.RANDOM_OPS and list_op_fits(op):
+        fast = FastListOp(op)  # in-place list ops (``_foreach_*_``): fastpath_lists.py
+    elif schema is not None and op not in dispatch.RANDOM_OPS:
         rule = get_rule(op)
         specs = tensor_slot_specs(op)
         rets = schema.returns

@@ -216,7 +216,7 @@ def _impl_generic(lib: torch.library.Library, op: Any) -> None:
     if op is aten.copy_.default:
         generic = _copy_inplace(generic)
     fast = fastpath.fast_op(op)
-    if fast is not None and fastpath.NATIVE is not None and fast.native_ok:
+    if isinstance(fast, fastpath.FastOp) and fastpath.NATIVE is not None and fast.native_ok:
         # the native kernel on the dtorch key; the Python one behind it, on PrivateUse2, serves its misses
         lib.impl(_schema_name(op), fastpath_native.native_kernel(op, fast), "PrivateUse2")
         fastpath_native.register_native(op, fast)

@@ -92,6 +92,10 @@ class OpRule:
     #: when no signature fits (or the inputs span several meshes), the device runs torch's own
     #: CompositeExplicitAutograd kernel instead, which calls the per-tensor op on each element (list ops)
     op_by_op_fallback: bool = False
+    #: a plan never depends on the call's Python scalars (``Scalar``/``Scalar[]`` arguments; list ops: an
+    #: optimizer's per-step step sizes), only on their types: the eager fast path keys them by type
+    #: (``device/fastpath_lists.py``) and every run carries its own
+    plan_ignores_scalars: bool = False
     #: the all-Replicate signature joins :meth:`signatures` automatically (a rule that always returns a reachable
     #: signature may turn it off, so that a cheaper-looking gather of everything never competes)
     auto_replicate: bool = True

@@ -85,6 +85,7 @@ class ForeachRule(OpRule):
 
     family = "foreach"
     op_by_op_fallback = True
+    plan_ignores_scalars = True  # (constants_key below)
     auto_replicate = False  # every element has its own target: never gather the whole list
 
     def __init__(self, name: str, overload: str, *, in_place: bool) -> None:
