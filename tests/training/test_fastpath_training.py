@@ -81,10 +81,15 @@ def _attention_step(
 @pytest.mark.parametrize("shape", MESHES, ids=mesh_ids)
 @pytest.mark.parametrize("kind", ["R", "S0", "S1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attention_forward_and_backward_hit(shape: tuple[int, ...], kind: str, causal: bool) -> None:
+@pytest.mark.parametrize("batch", [3, 1])
+def test_attention_forward_and_backward_hit(
+    shape: tuple[int, ...], kind: str, causal: bool, batch: int
+) -> None:
+    """Uneven shards of the batch (3) and heads (5); empty shards (batch 1 over several devices: the blockwise
+    kernel runs there, the fused CPU op elsewhere). Sequence-sharded attention: test_cp_attention_backward.py."""
     mesh = init_mesh(shape)
     g = torch.Generator().manual_seed(0)
-    qkv = [torch.randn(3, 5, 6, 4, generator=g) for _ in range(3)]  # batch 3, heads 5: uneven shards
+    qkv = [torch.randn(batch, 5, 6, 4, generator=g) for _ in range(3)]
     xs = [dt.distribute_tensor(t, mesh, _placements(mesh, kind)) for t in qkv]
     got = _steady(lambda: _attention_step(*xs, causal))
     want = _attention_step(*qkv, causal)
