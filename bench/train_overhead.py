@@ -41,13 +41,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps (after 3 warm-up steps)")
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ max norm (0: no clipping)")
     p.add_argument("--devices", type=int, default=1, help="dp mesh size (the batch is sharded over it)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args()
     args = argparse.Namespace(
         tiny=True,
         layers=a.layers,
         seq=a.seq,
         batch=a.batch,
-        dtype=torch.float32,
+        dtype=getattr(torch, a.dtype),
         device="cpu",
         worker_compiler=None,
     )
@@ -110,7 +111,9 @@ def main() -> None:
     )
     # the controller thread's own CPU time (waiting in dt.sync() costs none): what the workers and a loaded
     # machine disturb least
-    print(f"controller CPU per step: median {1e3 * statistics.median(cpu):.2f} ms, min {1e3 * min(cpu):.2f} ms")
+    print(
+        f"controller CPU per step: median {1e3 * statistics.median(cpu):.2f} ms, min {1e3 * min(cpu):.2f} ms"
+    )
     dt.shutdown()
 
 

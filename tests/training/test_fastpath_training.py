@@ -159,3 +159,26 @@ def test_foreach_write_through_a_copy_view_raises_as_on_the_full_path() -> None:
         torch._foreach_mul_([z], 2.0)
     with pytest.raises(NotImplementedError, match="redistributed copy"):
         torch._foreach_mul_([y], 2.0)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=mesh_ids)
+@pytest.mark.parametrize("kind", ["R", "S0", "S1"])
+def test_dtype_casts_under_grad_hit(shape: tuple[int, ...], kind: str) -> None:
+    """``x.to(dtype)`` of a tensor that requires grad decomposes to ``_to_copy`` (RMSNorm's float32 round trip in
+    a bf16 model): it hits, forward and backward, and the gradient equals torch's."""
+    mesh = init_mesh(shape)
+    a = torch.randn(5, 7).to(torch.bfloat16)
+
+    def step(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = t.detach().requires_grad_()
+        h = x.to(torch.float32)
+        y = (h * (h * h).mean(-1, keepdim=True).add(1e-6).rsqrt()).to(torch.bfloat16)  # RMSNorm's
+        y.float().sum().backward()
+        assert x.grad is not None
+        return y.detach(), x.grad
+
+    x = dt.distribute_tensor(a, mesh, _placements(mesh, kind))
+    got = _steady(lambda: step(x))
+    want = step(a)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(dt.to_torch(g), w)  # (bf16 tolerances: S1 sums the mean's partials)

@@ -3,8 +3,8 @@ plans in full on the controller (``GraphConstructor.num_planned``) and which ops
 Python path (``Worker.general``) instead of replaying a resolved call. A regression — an op of a training step
 falling off the fast path — fails here with the op named. Thread mode (the counters live on worker threads).
 
-Tiny models: a transformers ``LlamaForCausalLM`` from a random tiny config (forward with its KV cache, loss,
-backward, ``clip_grad_norm_``, ``AdamW(foreach=True)``) and the MLP of the training tests (SGD with momentum),
+Tiny models: a transformers ``LlamaForCausalLM`` from a random tiny config, float32 and bfloat16 (forward with its
+KV cache, loss, backward, ``clip_grad_norm_``, ``AdamW(foreach=True)``) and the MLP of the training tests (SGD with momentum),
 on a 1-device mesh and on a 2-device ``dp`` mesh with the batch sharded.
 """
 
@@ -49,7 +49,7 @@ def _counts(mesh: dt.DeviceMesh, step: Callable[[], Any], *, warm: int = 3) -> t
     return ex.constructor.num_planned - planned, general() - g0
 
 
-def _llama_step(n: int) -> tuple[dt.DeviceMesh, Callable[[], Any]]:
+def _llama_step(n: int, dtype: torch.dtype = torch.float32) -> tuple[dt.DeviceMesh, Callable[[], Any]]:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -57,7 +57,7 @@ def _llama_step(n: int) -> tuple[dt.DeviceMesh, Callable[[], Any]]:
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).train()  # (bf16: RMSNorm casts to float32 and back)
     mesh = init_mesh((n,), mesh_dim_names=("dp",))
     replicate_module(model, mesh)
     dt.match_grad_placements(model)
@@ -120,9 +120,13 @@ def _times(counts: dict[str, int], n: int) -> Counter[str]:
     return Counter({k: v * n for k, v in counts.items()})
 
 
-@pytest.mark.parametrize("n", [1, 2], ids=["1dev", "dp2"])
-def test_llama_training_step_counts(n: int) -> None:
-    mesh, step = _llama_step(n)
+@pytest.mark.parametrize(
+    ("n", "dtype"),
+    [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)],
+    ids=["1dev", "dp2", "1dev-bf16"],
+)
+def test_llama_training_step_counts(n: int, dtype: torch.dtype) -> None:
+    mesh, step = _llama_step(n, dtype)
     planned, general = _counts(mesh, step)
     assert planned == 0, "a steady Llama training step planned calls in full"
     want = (

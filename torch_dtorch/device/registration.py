@@ -143,9 +143,13 @@ def _to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         rt.executor.upload(operand, value)
         return dispatch.wrap(rt, operand)
     if device is None or torch.device(device).type == DEVICE_NAME:
-        return dispatch.dispatch_op(
-            aten._to_copy.default, (self,), {k: v for k, v in kwargs.items() if k != "device"}
-        )
+        # (under grad ``x.to(dtype)`` decomposes to this: RMSNorm's casts of a bf16 model, every layer and step)
+        kw = {k: v for k, v in kwargs.items() if k != "device"}
+        fast = fastpath.fast_op(aten._to_copy.default)
+        out = fastpath.MISS if fast is None else fast((self,), kw)
+        if out is fastpath.MISS:
+            out = dispatch.dispatch_op(aten._to_copy.default, (self,), kw)
+        return out
     # leaving the dtorch device: a sync point that gathers the global value
     value = fetch(self)
     return value.to(device=device, dtype=kwargs.get("dtype") or value.dtype)
