@@ -99,18 +99,18 @@ def _mlp_step(n: int) -> tuple[dt.DeviceMesh, Callable[[], Any]]:
     return mesh, step
 
 
-#: the list ops of an optimizer step, on the workers' general path (one whole-list call per op and device: their
-#: kernels write the list in place and are not replayed; a fixed number per step, whatever the model's size)
+#: the list ops of an optimizer step in place, on the workers' general path (one whole-list call per op and device:
+#: their kernels return the written list and run with each call's scalars; a fixed number per step, whatever the
+#: model's size). Out-of-place ones (``_foreach_sqrt``, ``_foreach_norm``) are replayed.
 ADAMW_GENERAL = {
     "aten._foreach_lerp_.Scalar": 1,  # exp_avg
     "aten._foreach_mul_.Scalar": 2,  # exp_avg_sq, weight decay
     "aten._foreach_addcmul_.Scalar": 1,
-    "aten._foreach_sqrt": 1,
     "aten._foreach_div_.ScalarList": 1,
     "aten._foreach_add_.Scalar": 1,
     "aten._foreach_addcdiv_.ScalarList": 1,
 }
-CLIP_GENERAL = {"aten._foreach_norm.Scalar": 1, "aten._foreach_mul_.Tensor": 1}
+CLIP_GENERAL = {"aten._foreach_mul_.Tensor": 1}
 SGD_GENERAL = {"aten._foreach_mul_.Scalar": 1, "aten._foreach_add_.List": 2}
 #: with the batch sharded, the mean loss exchanges the ranks' sums and weights: a communicating kernel
 DP_GENERAL = {"aten.nll_loss_forward": 1}

@@ -184,6 +184,13 @@ class ForeachRule(OpRule):
             return all(p == lead or type(p) is Replicate for p in current)
         return False
 
+    def may_run_op_as_is(self, op: Any) -> bool:
+        return not self.writes_inputs and "kernel" not in vars(self)
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        """Out of place, the kernel is the op itself (workers replay it); in place it returns the written list."""
+        return self.may_run_op_as_is(call.op)
+
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = call.op(*args, **kwargs)
         if self.writes_inputs:  # the op returns nothing: its outputs are the written shards
