@@ -22,6 +22,7 @@ from torch import Tensor
 
 from torch_dtorch.device import binding, dispatch, fastpath_grow, state
 from torch_dtorch.device.fastpath_keys import (
+    MISS,
     SCALAR,
     bind_unbound,
     constant_key,
@@ -29,7 +30,9 @@ from torch_dtorch.device.fastpath_keys import (
     is_scalar_upload,
     layout_of,
     pattern_key,
+    stats,
 )
+from torch_dtorch.device.fastpath_lists import FastListOp, bind_elements, list_op_fits, writes_reach_base
 from torch_dtorch.device.fastpath_template import Template
 from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.graph import Operand
@@ -37,13 +40,12 @@ from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.call import tensor_slot_specs
 from torch_dtorch.placement_rules.rule import add_rule_listener, number_key
 
-__all__ = ["MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "stats"]
+__all__ = ["KWARG_SLOT", "MISS", "NATIVE", "FastOp", "fast_op", "layout_of", "stats"]
 
-#: returned by :meth:`FastOp.__call__` when the call must take the full path
-MISS: Any = object()
+#: the position of a keyword-only ``Tensor?`` slot (SDPA's ``attn_mask``) in :attr:`FastOp.slot_pos`: past every
+#: positional argument, so the slot's input is ``None`` — a call with a tensor there misses (``_lookup``)
+KWARG_SLOT = 1 << 30
 _TEMPLATES_PER_OP = 4096
-#: hits / misses / templates recorded (for tests and benchmarks; the native kernel's hits and misses included)
-stats = {"hit": 0, "miss": 0, "recorded": 0}
 
 #: per thread, the template the last Python fast-path call used or recorded (the native kernel learns it)
 _LEARNED = threading.local()
@@ -80,6 +82,12 @@ class FastOp:
         self.grown: dict[tuple[Any, ...], fastpath_grow.Kept] = {}
         self.kind = kind  # "single" | "tuple" | "list"
         self.view_of = view_of
+
+    @property
+    def native_ok(self) -> bool:
+        """The C++ kernel may serve this op (it keys positional tensor slots only: no list, no in-place write, no
+        keyword-only tensor slot)."""
+        return self.list_pos is None and self.written is None and KWARG_SLOT not in self.slot_pos
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rt = state._SESSION
@@ -268,6 +276,7 @@ class FastOp:
         key: list[Any] = []
         targs = list(args)
         inputs: list[Operand | None] = []
+        unbound: list[tuple[int, int, Operand]] | None = None
         for i, a in enumerate(args):
             if i == lp:
                 if (type(a) is not list and type(a) is not tuple) or not a:
@@ -277,8 +286,13 @@ class FastOp:
                     if e is None or e.generation != gen or t.shape != e.shape:
                         return MISS
                     x = e.operand
-                    if x.mesh is None:
-                        return MISS
+                    if x.mesh is None:  # a KV cache's ``torch.tensor([], device=...)``: bound below
+                        if unbound is None:
+                            unbound = []
+                        unbound.append((len(inputs), len(key), x))
+                        key.append(None)
+                        inputs.append(x)
+                        continue
                     lid = e.layout
                     if lid is None:
                         lid = layout_of(x)
@@ -292,6 +306,8 @@ class FastOp:
             else:
                 key.append(constant_key(a))
         if not inputs:
+            return MISS
+        if unbound is not None and not bind_elements(rt, unbound, inputs, key, targs, lp):  # type: ignore[arg-type]
             return MISS
         tpl = self._lookup(key, kwargs)
         if tpl is MISS:
@@ -379,7 +395,7 @@ class FastOp:
         return out
 
 
-_FAST: dict[Any, FastOp | None] = {}
+_FAST: dict[Any, FastOp | FastListOp | None] = {}
 
 
 def _in_place_ok(schema: Any, written: int | None, rule: Any, nrets: int) -> bool:
@@ -392,17 +408,6 @@ def _in_place_ok(schema: Any, written: int | None, rule: Any, nrets: int) -> boo
         return False
     writes = [k for k, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
     return writes == [written]
-
-
-def writes_reach_base(x: Operand) -> bool:
-    """A write into ``x`` lands in its base: no view on the way up is of a redistributed copy (the full path's
-    ``_check_write_reaches_base`` raises otherwise)."""
-    b = x.base
-    while b is not None:
-        if b.copy_of is not None:
-            return False
-        b = b.base
-    return True
 
 
 def _rule_changed(op: Any) -> None:
@@ -419,15 +424,18 @@ def _rule_changed(op: Any) -> None:
 add_rule_listener(_rule_changed)
 
 
-def fast_op(op: Any) -> FastOp | None:
-    """The :class:`FastOp` of ``op``, or ``None`` when ``op`` always takes the full path (random ops, in-place
-    ops other than those that write their one pinned positional ``self``, ops with tensor-list arguments or several
-    outputs of unknown structure)."""
+def fast_op(op: Any) -> FastOp | FastListOp | None:
+    """The :class:`FastOp` of ``op`` (a :class:`~.fastpath_lists.FastListOp` for in-place list ops), or ``None``
+    when ``op`` always takes the full path (random ops, other in-place ops than those that write their one pinned
+    positional ``self`` or their first list, ops with several tensor-list arguments that write none, outputs of
+    unknown structure)."""
     if op in _FAST:
         return _FAST[op]
-    fast: FastOp | None = None
+    fast: FastOp | FastListOp | None = None
     schema = getattr(op, "_schema", None)
-    if schema is not None and op not in dispatch.RANDOM_OPS:
+    if schema is not None and op not in dispatch.RANDOM_OPS and list_op_fits(op):
+        fast = FastListOp(op)  # in-place list ops (``_foreach_*_``): fastpath_lists.py
+    elif schema is not None and op not in dispatch.RANDOM_OPS:
         rule = get_rule(op)
         specs = tensor_slot_specs(op)
         rets = schema.returns
@@ -440,15 +448,19 @@ def fast_op(op: Any) -> FastOp | None:
         else:
             kind = "tuple"
         written = rule.output_is_input
+        optional = {a.name for a in schema.arguments if a.kwarg_only and str(a.type) == "Optional[Tensor]"}
         ok = (
             (written is None and not schema.is_mutable or _in_place_ok(schema, written, rule, len(rets)))
-            and (list_pos is not None or all(pos is not None and not is_list for pos, _, is_list in specs))
+            and (
+                list_pos is not None
+                or all((pos is not None or name in optional) and not is_list for pos, name, is_list in specs)
+            )
             and all(str(r.type) in ("Tensor", "List[Tensor]") for r in rets)
         )
         if ok:
             fast = FastOp(
                 op,
-                tuple(pos for pos, _, _ in specs),  # type: ignore[misc]
+                tuple(KWARG_SLOT if pos is None else pos for pos, _, _ in specs),
                 kind,
                 rule.view_of,
                 list_pos=list_pos,

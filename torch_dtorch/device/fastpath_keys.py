@@ -21,6 +21,7 @@ from torch_dtorch.placement_rules.rule import number_key
 
 __all__ = [
     "CONST",
+    "MISS",
     "PATTERN_OF",
     "SCALAR",
     "bind_unbound",
@@ -30,7 +31,13 @@ __all__ = [
     "is_scalar_upload",
     "layout_of",
     "pattern_key",
+    "stats",
 ]
+
+#: returned by a fast path's ``__call__`` when the call must take the full path
+MISS: Any = object()
+#: hits / misses / templates recorded (for tests and benchmarks; the native kernel's hits and misses included)
+stats = {"hit": 0, "miss": 0, "recorded": 0}
 
 #: the tag of a constant argument's key entry
 CONST = "const"

@@ -143,9 +143,13 @@ def _to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         rt.executor.upload(operand, value)
         return dispatch.wrap(rt, operand)
     if device is None or torch.device(device).type == DEVICE_NAME:
-        return dispatch.dispatch_op(
-            aten._to_copy.default, (self,), {k: v for k, v in kwargs.items() if k != "device"}
-        )
+        # (under grad ``x.to(dtype)`` decomposes to this: RMSNorm's casts of a bf16 model, every layer and step)
+        kw = {k: v for k, v in kwargs.items() if k != "device"}
+        fast = fastpath.fast_op(aten._to_copy.default)
+        out = fastpath.MISS if fast is None else fast((self,), kw)
+        if out is fastpath.MISS:
+            out = dispatch.dispatch_op(aten._to_copy.default, (self,), kw)
+        return out
     # leaving the dtorch device: a sync point that gathers the global value
     value = fetch(self)
     return value.to(device=device, dtype=kwargs.get("dtype") or value.dtype)
@@ -216,7 +220,7 @@ def _impl_generic(lib: torch.library.Library, op: Any) -> None:
     if op is aten.copy_.default:
         generic = _copy_inplace(generic)
     fast = fastpath.fast_op(op)
-    if fast is not None and fastpath.NATIVE is not None and fast.list_pos is None and fast.written is None:
+    if isinstance(fast, fastpath.FastOp) and fastpath.NATIVE is not None and fast.native_ok:
         # the native kernel on the dtorch key; the Python one behind it, on PrivateUse2, serves its misses
         lib.impl(_schema_name(op), fastpath_native.native_kernel(op, fast), "PrivateUse2")
         fastpath_native.register_native(op, fast)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torch_dtorch.device import dispatch, rng
+from torch_dtorch.device import dispatch, fastpath, rng
 from torch_dtorch.device.state import get_session
 from torch_dtorch.device.tensors import DEVICE_NAME, is_dtorch
 from torch_dtorch.device.transfer import fetch, upload
@@ -144,11 +144,16 @@ def random_inplace(op: Any):  # noqa: ANN202
 
 def masked_outputs(op: Any):  # noqa: ANN202
     """Ops whose outputs torch may leave ``None`` (``native_layer_norm_backward`` with an ``output_mask`` or no
-    weight/bias): the operator holds the present outputs only; the ``None`` go back where torch puts them."""
+    weight/bias): the operator holds the present outputs only; the ``None`` go back where torch puts them. The
+    fast path first (Python: its template holds the present outputs)."""
+
+    fast = fastpath.fast_op(op)  # (the mask and the absent weight/bias are constants of its key)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         present = present_outputs(op, args, kwargs)
-        out = dispatch.dispatch_op(op, args, kwargs)
+        out = fastpath.MISS if fast is None else fast(args, kwargs)
+        if out is fastpath.MISS:
+            out = dispatch.dispatch_op(op, args, kwargs)
         got = iter(out if isinstance(out, (list, tuple)) else (out,))
         return tuple(next(got) if p else None for p in present)
 

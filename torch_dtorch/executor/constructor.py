@@ -443,6 +443,8 @@ def planned_outputs(
         written = inputs[rule.output_is_input]
         assert written is not None
         return [written]
+    if rule.writes_inputs:  # list ops in place: the outputs are the first input slots
+        return [x for x in inputs[: len(out_specs)] if x is not None]
     grad = False
     for x in inputs:
         if x is not None and x.requires_grad:

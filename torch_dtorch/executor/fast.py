@@ -140,7 +140,10 @@ class FastPlan:
         self.view_of = rule.view_of
         self.view = ViewInfo(call.op, non_tensor_args(call)) if rule.view_of is not None else None
         #: recorded as one FastRun per call; otherwise through GraphConstructor.call_planned
-        self.compact = not (self.view_of is not None and any(slot == self.view_of for slot, _, _ in moves))
+        self.compact = (
+            not (self.view_of is not None and any(slot == self.view_of for slot, _, _ in moves))
+            and not rule.writes_inputs
+        )  # (list ops in place: their outputs are their first list)
 
     def call(self, args: tuple[Any, ...], inputs: list[Operand | None]) -> OpCall:
         """The :class:`OpCall` of one call of this plan on ``args``/``inputs``."""

@@ -217,7 +217,9 @@ class MemoryGuard:
                     x.shape, x.dtype, out_root, spec.out_mesh.to_root_placements(spec.out_placements)
                 )
                 labels.append((f"copy of input {slot} as {placements_str(spec.out_placements)}", per))
-        if plan.view_of is None and plan.written is None:  # (an in-place op writes what exists)
+        if (
+            plan.view_of is None and plan.written is None and not plan.rule.writes_inputs
+        ):  # (in place: no bytes)
             for k, (shape, dtype, mesh, pl, _, _) in enumerate(plan.outs):
                 if mesh is not None:
                     per = shard_bytes(shape, dtype, mesh.root, mesh.to_root_placements(pl))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Any
 
 import torch
@@ -13,9 +14,16 @@ from torch_dtorch._tree import map_only
 from torch_dtorch.errors import PlacementError
 from torch_dtorch.graph import Operand, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
-from torch_dtorch.placement import Placements, Replicate
+from torch_dtorch.placement import Placements, Replicate, local_shape_and_offset
 
-__all__ = ["LocalContext", "OpCall", "map_operands", "tensor_slot_specs", "tensor_slot_types"]
+__all__ = [
+    "LocalContext",
+    "OpCall",
+    "every_shard_nonempty",
+    "map_operands",
+    "tensor_slot_specs",
+    "tensor_slot_types",
+]
 
 _TENSOR_TYPES = frozenset({"Tensor", "Optional[Tensor]"})
 _TENSOR_LIST_TYPES = frozenset({"List[Tensor]", "List[Optional[Tensor]]"})
@@ -250,3 +258,24 @@ class OpCall:
                 kwargs = {**kwargs, "device": torch.device("meta")}
         kwargs.pop("pin_memory", None)
         return args, kwargs
+
+
+def every_shard_nonempty(call: OpCall, slots: Sequence[int] | None = None) -> bool:
+    """Every rank's shard of every input at ``slots`` (default: all; ``None`` inputs and 0-d ones skipped) holds at
+    least one element, under the call's placements (a plan's calls: its input targets). Worth asking once per
+    resolved call: it walks every coordinate of the mesh."""
+    mesh = call.mesh
+    if mesh is None:
+        return False
+    coords = list(product(*(range(n) for n in mesh.shape)))
+    for k in range(len(call.inputs)) if slots is None else slots:
+        x, pl = call.inputs[k], call.placements[k]
+        if x is None or not x.ndim:
+            continue
+        if pl is None:
+            return False
+        for c in coords:
+            shape, _ = local_shape_and_offset(x.shape, mesh.shape, pl, c)
+            if 0 in shape:
+                return False
+    return True

@@ -13,11 +13,12 @@ Rules are registered at import by decorator, one file per op family::
 
 ``intercept=True`` puts the overload on the **intercept list**: the overloads the ``dtorch`` device must receive
 whole (views and semantic composite ops that the dispatcher would otherwise decompose before our key).
+
+The plan cache and the keys of constant arguments live in :mod:`.plan_keys` (re-exported here).
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -27,17 +28,27 @@ import torch
 from torch_dtorch._compat import has_kernel_for_dispatch_key
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.errors import NoRuleError, RuleRegistrationError, ShapeError
-from torch_dtorch.graph import AssignInfo, Operand, OperatorCost, TensorMeta
+from torch_dtorch.graph import AssignInfo, OperatorCost, TensorMeta
 from torch_dtorch.ops.cost import elementwise_cost
 from torch_dtorch.placement import Placements
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.matcher import Match, match
+from torch_dtorch.placement_rules.plan_keys import (
+    PLAN_CACHE,
+    PLAN_CACHE_SIZE,
+    clear_plan_cache,
+    const_key,
+    float_bits,
+    number_key,
+    plan_key,
+)
 from torch_dtorch.placement_rules.signature import PlacementSignature, all_replicate
 
 __all__ = [
     "FunctionRule",
     "Growth",
     "add_rule_listener",
+    "clear_plan_cache",
     "const_key",
     "float_bits",
     "number_key",
@@ -92,6 +103,10 @@ class OpRule:
     #: when no signature fits (or the inputs span several meshes), the device runs torch's own
     #: CompositeExplicitAutograd kernel instead, which calls the per-tensor op on each element (list ops)
     op_by_op_fallback: bool = False
+    #: a plan never depends on the call's Python scalars (``Scalar``/``Scalar[]`` arguments; list ops: an
+    #: optimizer's per-step step sizes), only on their types: the eager fast path keys them by type
+    #: (``device/fastpath_lists.py``) and every run carries its own
+    plan_ignores_scalars: bool = False
     #: the all-Replicate signature joins :meth:`signatures` automatically (a rule that always returns a reachable
     #: signature may turn it off, so that a cheaper-looking gather of everything never competes)
     auto_replicate: bool = True
@@ -108,9 +123,9 @@ class OpRule:
         """The fixed skeleton. ``prefer_outputs`` asks for given output placements (factories with
         ``placements=``): among matching signatures the one producing them wins, and if none does it is an error."""
         policy = policy if policy is not None else get_config().redistribute
-        key = _plan_key(call, policy, prefer_outputs, self)
+        key = plan_key(call, policy, prefer_outputs, self)
         if key is not None:
-            hit = _PLAN_CACHE.get(key)
+            hit = PLAN_CACHE.get(key)
             if hit is not None:
                 call.out_meta = hit.out_meta
                 return hit
@@ -123,9 +138,9 @@ class OpRule:
         m = match(call, sigs, policy, prefer_outputs=prefer_outputs, pinned=self.pinned_for(call))
         plan = OpPlan(call.out_meta, m, self.assign(call), self.cost(call))
         if key is not None:
-            if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
-                _PLAN_CACHE.clear()
-            _PLAN_CACHE[key] = plan
+            if len(PLAN_CACHE) >= PLAN_CACHE_SIZE:
+                PLAN_CACHE.clear()
+            PLAN_CACHE[key] = plan
         return plan
 
     # --- abstract hooks -------------------------------------------------------------------------------------------
@@ -311,65 +326,6 @@ class FunctionRule(OpRule):
         return f"FunctionRule({self._fn.__qualname__}, family={self.family!r})"
 
 
-_PLAN_CACHE: dict[tuple[Any, ...], OpPlan] = {}
-_PLAN_CACHE_SIZE = 8192
-
-
-_DOUBLE = struct.Struct("<d")
-
-
-def float_bits(v: float) -> int:
-    """The IEEE bits of ``v``: unlike ``==``, they tell ``0.0`` from ``-0.0`` and make a NaN equal to itself."""
-    return int.from_bytes(_DOUBLE.pack(v), "little", signed=True)
-
-
-def number_key(v: Any) -> Any:
-    """A hashable key of one Python number such that equal keys mean interchangeable values: tagged by type
-    (``1 == 1.0 == True`` but they promote differently) and floats by their bits (``0.0 == -0.0`` but ``x * -0.0``
-    flips the signs of zeros; ``nan != nan`` would make a key never hit). Other values are returned unchanged."""
-    t = type(v)
-    if t is float:
-        return (float, float_bits(v))
-    if t is complex:
-        return (complex, float_bits(v.real), float_bits(v.imag))
-    if t is int or t is bool:
-        return (t, v)
-    return v
-
-
-def const_key(v: Any) -> Any:
-    """A hashable stand-in for the non-tensor structure of the arguments (operands become None; numbers by
-    :func:`number_key`)."""
-    t = type(v)
-    if t is tuple or t is list:
-        return tuple([const_key(x) for x in v])
-    if t is dict:
-        return tuple(sorted((k, const_key(x)) for k, x in v.items()))
-    if isinstance(v, Operand):
-        return None
-    hash(v)
-    return number_key(v)
-
-
-def _plan_key(
-    call: OpCall, policy: RedistributePolicy, prefer: tuple[Placements, ...] | None, rule: OpRule
-) -> tuple[Any, ...] | None:
-    """Plans depend only on the op, the inputs' metadata and placements, the mesh and the non-tensor args (the
-    rule's :meth:`OpRule.constants_key`)."""
-    try:
-        slots = tuple(
-            None if x is None else (x.shape, x.stride, x.dtype, pl)
-            for x, pl in zip(call.inputs, call.placements, strict=True)
-        )
-        return (call.op, call.mesh, slots, rule.constants_key(call), policy, prefer)
-    except TypeError:  # an unhashable argument: plan without caching
-        return None
-
-
-def clear_plan_cache() -> None:
-    _PLAN_CACHE.clear()
-
-
 _RULES: dict[Any, OpRule] = {}
 _INTERCEPT: dict[Any, None] = {}
 
@@ -407,7 +363,7 @@ def serve_kernel_requests(serve: Callable[[list[Any]], Any]) -> None:
 
 
 def _rules_changed(ops: Iterable[Any]) -> None:
-    _PLAN_CACHE.clear()
+    PLAN_CACHE.clear()
     for op in ops:
         for fn in list(_RULE_LISTENERS):
             fn(op)

@@ -43,7 +43,7 @@ from torch_dtorch.placement import (
     chunk_size_and_offset,
     local_shape_and_offset,
 )
-from torch_dtorch.placement_rules.call import LocalContext, OpCall
+from torch_dtorch.placement_rules.call import LocalContext, OpCall, every_shard_nonempty
 from torch_dtorch.placement_rules.families.comm import (
     CP_TAG,
     ContextParallelError,
@@ -266,7 +266,26 @@ def _bind(call: OpCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
     return dict(zip(names, args)) | kwargs
 
 
+def fused_locally(call: OpCall) -> bool:
+    """The call runs as torch's own fused CPU kernel (the op itself) on every rank's shards, which workers replay:
+    CPU workers, nothing context parallel, the query sequence whole on every rank (causal alignment is then the
+    kernel's own), no empty shard. Otherwise (and on CUDA, where this aten pair has no kernel) the blockwise
+    float32 kernel below runs."""
+    mesh = call.mesh
+    if mesh is None or mesh.device_type != "cpu" or cp_axes(call):
+        return False
+    q, pq = _operand(call, "q"), call.placements[_slots(call)["q"]]
+    if q is None or pq is None:
+        return False
+    seq = q.ndim - 2
+    if any(mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % q.ndim == seq for a, p in enumerate(pq)):
+        return False
+    return every_shard_nonempty(call)
+
+
 def _forward_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if fused_locally(call):
+        return call.op(*args, **kwargs)
     b = _bind(call, args, kwargs)
     q, k, v, mask = b["query"], b["key"], b["value"], b.get("attn_mask")
     causal = bool(b.get("is_causal", False))
@@ -349,6 +368,8 @@ def ring_backward(
 
 
 def _backward_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if fused_locally(call):
+        return call.op(*args, **kwargs)
     b = _bind(call, args, kwargs)
     dout, q, k, v, out, lse = (b[n] for n in ("grad_out", "query", "key", "value", "out", "logsumexp"))
     mask = b.get("attn_mask")
@@ -379,11 +400,21 @@ def _cost(call: OpCall) -> OperatorCost:
     return c
 
 
-register_rule(ATTENTION_WITH_LSE, family="attention", check=_check, kernel=_forward_kernel, cost=_cost)(
-    _signatures
-)
-register_rule(ATTENTION_BACKWARD, family="attention", check=_check, kernel=_backward_kernel, cost=_cost)(
-    _signatures
-)
+register_rule(
+    ATTENTION_WITH_LSE,
+    family="attention",
+    check=_check,
+    kernel=_forward_kernel,
+    cost=_cost,
+    as_is=fused_locally,
+)(_signatures)
+register_rule(
+    ATTENTION_BACKWARD,
+    family="attention",
+    check=_check,
+    kernel=_backward_kernel,
+    cost=_cost,
+    as_is=fused_locally,
+)(_signatures)
 for _op in (ATTENTION_WITH_LSE, ATTENTION_BACKWARD):
     register_comm_kernel(_op, lambda call: bool(cp_axes(call)))

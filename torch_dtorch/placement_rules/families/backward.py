@@ -77,7 +77,17 @@ def _layer_norm_backward_kernel(
     return [t for t in call.op(*args, **kwargs) if t is not None]
 
 
-@register_rule(aten.native_layer_norm_backward.default, family="backward", kernel=_layer_norm_backward_kernel)
+def _all_present(call: OpCall) -> bool:
+    """Every output is present: :func:`_layer_norm_backward_kernel` is the op itself (workers replay it)."""
+    return all(_layer_norm_present(call.args, call.kwargs))
+
+
+@register_rule(
+    aten.native_layer_norm_backward.default,
+    family="backward",
+    kernel=_layer_norm_backward_kernel,
+    as_is=_all_present,
+)
 def native_layer_norm_backward(call: OpCall) -> list[PlacementSignature]:
     """Leading dims sharded -> ``grad_input`` ``S(d)``, ``grad_weight``/``grad_bias`` ``P(sum)``; linear in
     ``grad_out``."""

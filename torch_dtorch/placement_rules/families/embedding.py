@@ -106,7 +106,15 @@ def _kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict
     return out.masked_fill(~valid.unsqueeze(-1), 0)
 
 
-@register_rule(aten.embedding.default, family="embedding", kernel=_kernel)
+def _whole_vocab(call: OpCall) -> bool:
+    """Every rank holds every row of the weight: :func:`_kernel` is the plain lookup (workers replay it)."""
+    mesh, pw = call.mesh, call.placements[0]
+    if mesh is None or pw is None:
+        return False
+    return not any(mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % 2 == 0 for a, p in enumerate(pw))
+
+
+@register_rule(aten.embedding.default, family="embedding", kernel=_kernel, as_is=_whole_vocab)
 def embedding(call: OpCall) -> list[PlacementSignature]:
     """Indices sharded, embedding dim sharded, linear in the weight, vocab parallel (masked local lookup)."""
     return embedding_signatures(call)

@@ -85,6 +85,7 @@ class ForeachRule(OpRule):
 
     family = "foreach"
     op_by_op_fallback = True
+    plan_ignores_scalars = True  # (constants_key below)
     auto_replicate = False  # every element has its own target: never gather the whole list
 
     def __init__(self, name: str, overload: str, *, in_place: bool) -> None:
@@ -182,6 +183,13 @@ class ForeachRule(OpRule):
         if self.linear == "all":
             return all(p == lead or type(p) is Replicate for p in current)
         return False
+
+    def may_run_op_as_is(self, op: Any) -> bool:
+        return not self.writes_inputs and "kernel" not in vars(self)
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        """Out of place, the kernel is the op itself (workers replay it); in place it returns the written list."""
+        return self.may_run_op_as_is(call.op)
 
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = call.op(*args, **kwargs)

@@ -87,6 +87,13 @@ class ForeachNormRule(OpRule):
             for pl in call.placements
         ]
 
+    def may_run_op_as_is(self, op: Any) -> bool:
+        return "kernel" not in vars(self)
+
+    def runs_op_as_is(self, call: OpCall, ctx: LocalContext) -> bool:
+        """No element sharded on an axis: the kernel is the op itself on the list (workers replay it)."""
+        return "kernel" not in vars(self) and not any(self.comm_axes(call))
+
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         xs: list[torch.Tensor] = list(args[0] if args else kwargs["self"])
         p, dtype = self.order(call), call.arg("dtype")

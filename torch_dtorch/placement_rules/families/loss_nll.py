@@ -76,7 +76,12 @@ def _kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict
     return (summed[0] / summed[1]).to(total.dtype), summed[1].to(weight.dtype)
 
 
-@register_rule(aten.nll_loss_forward.default, family="loss", kernel=_kernel)
+def _local(call: OpCall) -> bool:
+    """:func:`_kernel` is the op itself (no reduction over a sharded batch): workers replay it."""
+    return _reduction(call) == REDUCTION_NONE or not _batch_axes(call)
+
+
+@register_rule(aten.nll_loss_forward.default, family="loss", kernel=_kernel, as_is=_local)
 def nll_loss_forward(call: OpCall) -> Sequence[PlacementSignature]:
     """Batch sharded (2-D input): ``none`` -> ``S(0)``; ``sum`` -> ``P(sum)``; ``mean`` -> ``R`` (exchanging the
     per-rank sums and weights)."""

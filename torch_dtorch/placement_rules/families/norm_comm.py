@@ -119,6 +119,17 @@ class CommReductionRule(ReductionRule):
             if mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % x.ndim in dims
         ]
 
+    def _kernel_is_op_on(self, call: OpCall, ctx: LocalContext) -> bool:
+        """Without a comm axis, and with a non-empty shard (an empty one may get the identity: ``_Extremum``), the
+        kernel is the op itself: workers replay it."""
+        local = ctx.in_shapes[0]
+        return (
+            type(self).kernel is CommReductionRule.kernel
+            and local is not None
+            and math.prod(local) > 0
+            and not self.comm_axes(call)
+        )
+
     def kernel(self, call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The op itself where no comm axis exists; otherwise local partial, exchange over the group, combine."""
         axes = self.comm_axes(call)

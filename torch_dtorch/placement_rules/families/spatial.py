@@ -28,7 +28,7 @@ import torch
 
 from torch_dtorch.graph import OperatorCost
 from torch_dtorch.placement import Replicate, Shard, chunk_size_and_offset
-from torch_dtorch.placement_rules.call import LocalContext, OpCall
+from torch_dtorch.placement_rules.call import LocalContext, OpCall, every_shard_nonempty
 from torch_dtorch.placement_rules.families.indexing import keep_dim_signatures
 from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
@@ -70,7 +70,13 @@ def empty_safe_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kw
     return call.op(*args, **kwargs)
 
 
-@register_rule(*SPATIAL_OPS, family="spatial", kernel=empty_safe_kernel)
+def _no_empty_shard(call: OpCall) -> bool:
+    """No rank's shard of the first two inputs is empty: :func:`empty_safe_kernel` is the op itself (workers
+    replay it)."""
+    return every_shard_nonempty(call, [k for k in (0, 1) if k < len(call.inputs)])
+
+
+@register_rule(*SPATIAL_OPS, family="spatial", kernel=empty_safe_kernel, as_is=_no_empty_shard)
 def spatial(call: OpCall) -> list[PlacementSignature]:
     """Leading (batch/channel) dims stay sharded; spatial dims are gathered first."""
     x = call.inputs[0]
@@ -79,7 +85,9 @@ def spatial(call: OpCall) -> list[PlacementSignature]:
     return keep_dim_signatures(call, list(range(max(x.ndim - k, 0))), [0])
 
 
-@register_rule(aten.constant_pad_nd.default, family="spatial", kernel=empty_safe_kernel)
+@register_rule(
+    aten.constant_pad_nd.default, family="spatial", kernel=empty_safe_kernel, as_is=_no_empty_shard
+)
 def constant_pad(call: OpCall) -> list[PlacementSignature]:
     """Dims the pad leaves alone stay sharded (``pad`` lists (before, after) pairs from the last dim back)."""
     x = call.inputs[0]
