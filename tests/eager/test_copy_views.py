@@ -266,49 +266,51 @@ def test_no_copy_view_no_refresh() -> None:
 
 
 # --- autograd, optimizers, compile ---------------------------------------------------------------------------
+# _REF: the torch references of the autograd tests stay on the CPU: under DTORCH_TEST_DEVICE=cuda a plain-CUDA backward
+# in a process that imported torch_dtorch fails inside torch's engine (AcceleratorConflictError, pytorch#161129).
 
 
 def test_backward_through_a_copy_view_and_a_later_optimizer_step() -> None:
     mesh = init_mesh((2,))
-    a = torch.randn(5, 6)
+    a = torch.randn(5, 6, device="cpu")  # (references on the CPU: _REF)
     w = torch.nn.Parameter(dt.distribute_tensor(a.clone(), mesh, [Shard(0)]))
     wr = torch.nn.Parameter(a.clone())
     y, yr = w[1:4], wr[1:4]
     (y * y).sum().backward()
     (yr * yr).sum().backward()
     assert w.grad is not None and wr.grad is not None
-    torch.testing.assert_close(w.grad.full_tensor(), wr.grad)
+    torch.testing.assert_close(w.grad.full_tensor().cpu(), wr.grad)
     for opt_w, opt_r in (
         (torch.optim.SGD([w], lr=0.1, foreach=True), torch.optim.SGD([wr], lr=0.1, foreach=True)),
         (torch.optim.Adam([w], lr=0.1, foreach=False), torch.optim.Adam([wr], lr=0.1, foreach=False)),
     ):
         opt_w.step()
         opt_r.step()
-        torch.testing.assert_close(y.detach().full_tensor(), yr.detach())
+        torch.testing.assert_close(y.detach().full_tensor().cpu(), yr.detach())
     # the next step's forward uses the updated values
     w.grad = None
     wr.grad = None
     (w.view(-1)[3:17] ** 2).sum().backward()
     (wr.view(-1)[3:17] ** 2).sum().backward()
-    torch.testing.assert_close(w.grad.full_tensor(), wr.grad)
+    torch.testing.assert_close(w.grad.full_tensor().cpu(), wr.grad)
 
 
 def test_in_place_on_a_non_leaf_in_grad_mode() -> None:
     """``h.mul_`` in grad mode after a copy-view of ``h`` was taken: the view's values and the gradients equal
     torch."""
     mesh = init_mesh((2,))
-    a = torch.randn(5, 6)
+    a = torch.randn(5, 6, device="cpu")  # (references on the CPU: _REF)
     x = dt.distribute_tensor(a.clone(), mesh, [Shard(0)]).requires_grad_()
     xr = a.clone().requires_grad_()
     h, hr = x * 2.0, xr * 2.0
     y, yr = h[1:4], hr[1:4]
     h.mul_(3.0)
     hr.mul_(3.0)
-    torch.testing.assert_close(y.detach().full_tensor(), yr.detach())
+    torch.testing.assert_close(y.detach().full_tensor().cpu(), yr.detach())
     h.sum().backward()
     hr.sum().backward()
     assert x.grad is not None
-    torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
+    torch.testing.assert_close(x.grad.full_tensor().cpu(), xr.grad)
 
 
 @pytest.mark.parametrize("view", ["keeps", "copy"])
@@ -316,7 +318,7 @@ def test_view_used_after_an_in_place_write_to_its_non_leaf_base(view: str) -> No
     """Autograd rebuilds the view's ``grad_fn`` after the write: by replaying the view op (dtorch turns torch's view
     replay on), never with ``as_strided`` from the view's controller-side geometry (wrong gradients before)."""
     mesh = init_mesh((2,))
-    a = torch.randn(5, 6)
+    a = torch.randn(5, 6, device="cpu")  # (references on the CPU: _REF)
     fn: Fn = (lambda t: t[:, 1:4]) if view == "keeps" else (lambda t: t[1:4])
     x = dt.distribute_tensor(a.clone(), mesh, [Shard(0)]).requires_grad_()
     xr = a.clone().requires_grad_()
@@ -327,14 +329,14 @@ def test_view_used_after_an_in_place_write_to_its_non_leaf_base(view: str) -> No
     ((h * h).sum() + (y * y).sum()).backward()
     ((hr * hr).sum() + (yr * yr).sum()).backward()
     assert x.grad is not None
-    torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
+    torch.testing.assert_close(x.grad.full_tensor().cpu(), xr.grad)
 
 
 @pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Replicate()]], ids=str)
 def test_write_through_a_view_in_grad_mode(placements: list[Any]) -> None:
     """``h[:, 1:4].mul_(3)`` in grad mode (autograd's ``CopySlices``): gradients equal torch."""
     mesh = init_mesh((2,))
-    a = torch.randn(5, 6)
+    a = torch.randn(5, 6, device="cpu")  # (references on the CPU: _REF)
     x = dt.distribute_tensor(a.clone(), mesh, placements).requires_grad_()
     xr = a.clone().requires_grad_()
     along_rows = placements == [Shard(1)]  # (a slice across shards is a copy-view: writes through it raise)
@@ -346,13 +348,13 @@ def test_write_through_a_view_in_grad_mode(placements: list[Any]) -> None:
             h[:, 1:4].mul_(3.0)
         (h * h).sum().backward()
     assert x.grad is not None
-    torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
+    torch.testing.assert_close(x.grad.full_tensor().cpu(), xr.grad)
 
 
 def test_saved_copy_view_then_write_raises_like_torch() -> None:
     """A copy-view saved for backward, then its base written in place: torch's version check fires on both."""
     mesh = init_mesh((2,))
-    a = torch.randn(5, 6)
+    a = torch.randn(5, 6, device="cpu")  # (references on the CPU: _REF)
     w = torch.nn.Parameter(dt.distribute_tensor(a.clone(), mesh, [Shard(0)]))
     wr = torch.nn.Parameter(a.clone())
     for base in (w, wr):
