@@ -1,5 +1,8 @@
 """What inductor compiles for a FLUX transformer: plain ``torch.compile`` vs ``backend="dtorch"`` on a 1-device mesh.
 
+``--model sd3`` compares the SD3-medium pipeline instead (the ``pipeline`` path only; its transformer has one block
+kind, so ``--layers N M`` takes ``N`` joint blocks).
+
 Counts, side by side, for each ``--layers`` setting (double and single blocks) and each ``--path``:
 
 - ``transformer``: ``torch.compile(model)`` vs ``torch.compile(model, backend="dtorch",
@@ -18,6 +21,7 @@ below the table. ``--dump DIR`` writes each side's generated code.
 
     python bench/compile_parity.py                              # tiny widths on the CPU, 1+1 blocks, both paths
     python bench/compile_parity.py --layers 1 1 4 8 --dtype bfloat16
+    python bench/compile_parity.py --model sd3 --path pipeline --steps 2
     python3 bench/compile_parity.py --device cuda --layers 4 8  # FLUX.1-dev widths, 1024x1024, bf16, on one GPU
 
 On CUDA the default is the full FLUX.1-dev width (``--tiny`` for the toy widths); on the CPU the tiny widths.
@@ -72,7 +76,7 @@ def _transformer_run(side: str, config: dict[str, Any], args: argparse.Namespace
 def _pipeline_run(side: str, layers: tuple[int, int], args: argparse.Namespace) -> InductorCapture:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     ns = argparse.Namespace(
-        model="flux", tiny=args.tiny, layers=list(layers), text_tokens=args.text_tokens, steps=args.steps,
+        model=args.model, tiny=args.tiny, layers=list(layers), text_tokens=args.text_tokens, steps=args.steps,
         size=args.size,
     )  # fmt: skip
     pipe = fg.build_pipeline(ns, device, dtype)
@@ -124,7 +128,12 @@ def compare(
                 name = f"{path}_{layers[0]}-{layers[1]}_{args.dtype}_{side}_{i}.py"
                 (out / name).write_text(g.code)
     a, b = totals(caps["inductor"].graphs), totals(caps["dtorch"].graphs)
-    print(f"\n== {path}, {layers[0]} double + {layers[1]} single blocks, {args.dtype}, {args.device}"
+    blocks = (
+        f"{layers[0]} joint blocks"
+        if args.model == "sd3"
+        else f"{layers[0]} double + {layers[1]} single blocks"
+    )
+    print(f"\n== {args.model} {path}, {blocks}, {args.dtype}, {args.device}"
           f" ({'tiny' if args.tiny else 'full'} widths) ==")  # fmt: skip
     print(side_by_side(a, b))
     diff = op_diff(caps["inductor"].graphs, caps["dtorch"].graphs)
@@ -138,6 +147,9 @@ def compare(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--model", choices=("flux", "sd3"), default="flux", help="sd3: the pipeline path only"
+    )
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default=None, help="default: cpu float32, cuda bf16"
     )
@@ -164,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     if len(args.layers) % 2:
         parser.error("--layers takes pairs: DOUBLE SINGLE [DOUBLE SINGLE ...]")
+    if args.model == "sd3" and "transformer" in args.path:
+        parser.error("--model sd3 compares the pipeline only: add --path pipeline")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("compile_parity: no CUDA device (torch.cuda.is_available() is False)")
     cpu = args.device == "cpu"
