@@ -3,9 +3,11 @@
 //
 // A resolved call (``resolve``) is an operator handle, a boxed argument stack in schema order with the constants in
 // place, and the stack positions of the tensor inputs. ``run_chain`` replays a run of such calls: it takes the run's
-// external input tensors, executes every step on an environment id -> tensor, and returns every step's outputs and
-// the failures (a step whose input failed is skipped and reported with the failing step). Python publishes the
-// results as blobs (runtime/native_replay.py, executor/worker.py).
+// external input tensors, executes every step on an environment id -> tensor, and returns the outputs still alive
+// at its end and the failures (a step whose input failed is skipped and reported with the failing step). A *free
+// step* (``kFreeStep``) drops tensors the chain made and the controller freed meanwhile, so a chain's intermediates
+// die when torch's would, not at the chain's end (a chain of 64 ops held all 64 outputs: gigabytes at full size).
+// Python publishes the results as blobs (runtime/native_replay.py, executor/worker.py).
 
 #include <torch/extension.h>
 
@@ -14,10 +16,12 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -34,7 +38,10 @@ struct Resolved {
   std::string name;
 };
 
+constexpr int64_t kFreeStep = -1;  // ``kFreeStep, n, ids...``: the chain's tensors of ``ids`` die here
+
 std::mutex g_mutex;
+std::atomic<int64_t> g_peak{0};  // the most tensors a chain held at once since ``take_peak`` (tests)
 std::deque<Resolved> g_calls;  // a deque: references stay valid while it grows
 std::vector<int64_t> g_free;   // released entries, reused by ``resolve``
 
@@ -163,9 +170,10 @@ int64_t live() {
   return static_cast<int64_t>(g_calls.size() - g_free.size());
 }
 
-// Run a chain. ``steps`` is flat: per step ``handle, n_in, in_ids..., n_out, out_ids...``. Returns
-// ``(out_ids, out_tensors, failed)`` where ``failed`` lists ``(step, origin_step, message)``: ``origin_step`` is
-// the step whose failure poisoned this one (itself when it raised).
+// Run a chain. ``steps`` is flat: per step ``handle, n_in, in_ids..., n_out, out_ids...``, or a free step
+// ``kFreeStep, n, ids...``. Returns ``(out_ids, out_tensors, failed)``: the outputs not freed inside the chain, and
+// ``(step, origin_step, message)`` per failure (steps count ops only; ``origin_step`` is the step whose failure
+// poisoned this one, itself when it raised).
 py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t>& ext_ids,
                     const std::vector<at::Tensor>& ext_tensors) {
   std::vector<int64_t> out_ids;
@@ -181,6 +189,10 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
     {
       std::lock_guard<std::mutex> lock(g_mutex);
       for (size_t p = 0; p < steps.size();) {
+        if (steps[p] == kFreeStep) {
+          p += 2 + static_cast<size_t>(steps[p + 1]);
+          continue;
+        }
         calls.push_back(&g_calls.at(static_cast<size_t>(steps[p])));
         int64_t n_in = steps[p + 1];
         int64_t n_out = steps[p + 2 + n_in];
@@ -189,7 +201,16 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
     }
     size_t p = 0;
     std::vector<c10::IValue> stack;
+    std::vector<int64_t> made;  // ids the chain wrote, in order (an in-place op writes its input's id again)
+    size_t peak = env.size();
     for (int64_t step = 0; p < steps.size(); ++step) {
+      if (steps[p] == kFreeStep) {
+        int64_t n = steps[p + 1];
+        for (int64_t k = 0; k < n; ++k) env.erase(steps[p + 2 + static_cast<size_t>(k)]);
+        p += 2 + static_cast<size_t>(n);
+        --step;  // (not an op)
+        continue;
+      }
       const Resolved& call = *calls[static_cast<size_t>(step)];
       int64_t n_in = steps[p + 1];
       const int64_t* in_ids = &steps[p + 2];
@@ -237,11 +258,11 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
                         " tensors, the operator has " + std::to_string(n_out) + " outputs";
             } else {
               for (int64_t o = 0; o < n_out; ++o) {
-                at::Tensor t = stack[static_cast<size_t>(o)].toTensor();
-                env[o_ids[o]] = t;
-                out_ids.push_back(o_ids[o]);
-                out_tensors.push_back(std::move(t));
+                env[o_ids[o]] = stack[static_cast<size_t>(o)].toTensor();
+                made.push_back(o_ids[o]);
               }
+              stack.clear();  // (the stack's references would keep the last outputs alive past a free step)
+              peak = std::max(peak, env.size());
             }
           } catch (const std::exception& e) {
             origin = step;
@@ -253,6 +274,16 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
         for (int64_t o = 0; o < n_out; ++o) poisoned[o_ids[o]] = origin;
         failed.emplace_back(step, origin, message);
       }
+    }
+    std::unordered_set<int64_t> seen;
+    for (int64_t id : made) {
+      auto it = env.find(id);
+      if (it == env.end() || !seen.insert(id).second) continue;  // freed inside the chain, or listed already
+      out_ids.push_back(id);
+      out_tensors.push_back(it->second);
+    }
+    int64_t prev = g_peak.load();
+    while (static_cast<int64_t>(peak) > prev && !g_peak.compare_exchange_weak(prev, static_cast<int64_t>(peak))) {
     }
   }
   py::list failures;
@@ -273,4 +304,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("name_of", &name_of);
   m.def("release", &release);
   m.def("live", &live);
+  m.def("take_peak", []() { return g_peak.exchange(0); });
 }

@@ -26,6 +26,9 @@ from torch_dtorch.runtime.stream import COMPUTE, KernelStream
 
 __all__ = ["NativeChain", "extension"]
 
+#: a chain step that drops the chain's tensors of the ids that follow (``FREE_STEP, n, ids...``; ``_replay.cpp``)
+FREE_STEP = -1
+
 _EXTENSION = NativeExtension(
     Path(__file__).with_name("_replay.cpp"),
     prefix="dtorch_replay",
@@ -148,10 +151,17 @@ class NativeChain:
         produces are not published."""
         pop = self.blobs.pop
         produced = self._produced
+        gone: list[int] = []
         for i in operand_ids:
             if i in produced:
                 self._dropped.add(i)
+                gone.append(i)
             pop(i, None)
+        if gone:  # the native loop drops them at this point of the chain (a free step), not at its end
+            steps = self._steps
+            steps.append(FREE_STEP)
+            steps.append(len(gone))
+            steps.extend(gone)
 
     def flush(self) -> int:
         """Run the queued ops; publish their outputs as blobs. Returns how many ops ran (or failed)."""
@@ -195,6 +205,9 @@ class NativeChain:
         outputs: list[list[int]] = []
         p = 0
         while p < len(steps):
+            if steps[p] == FREE_STEP:
+                p += 2 + steps[p + 1]
+                continue
             n_in = steps[p + 1]
             n_out = steps[p + 2 + n_in]
             outputs.append(steps[p + 3 + n_in : p + 3 + n_in + n_out])
