@@ -75,6 +75,9 @@ def test_compiled_dropout_on_processes_follows_the_seed(meshes: dict[int, dt.Dev
     seed, step after step. The known gap: the controller's generator does not advance by the workers' draws."""
     mesh = meshes[2]
     x = torch.randn(64, 8)
+    # (earlier tests of this process may have used up dynamo's recompile limit for Dropout.forward: the call would
+    # then run eagerly, drawing on the controller)
+    torch._dynamo.reset()
     drop = torch.compile(nn.Dropout(0.5), backend="dtorch")
     torch.manual_seed(3)
     want = [nn.functional.dropout(x, 0.5, True) for _ in range(3)]
