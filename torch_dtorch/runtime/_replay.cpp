@@ -42,6 +42,13 @@ constexpr int64_t kFreeStep = -1;  // ``kFreeStep, n, ids...``: the chain's tens
 
 std::mutex g_mutex;
 std::atomic<int64_t> g_peak{0};  // the most tensors a chain held at once since ``take_peak`` (tests)
+std::atomic<int64_t> g_end{0};   // the most tensors a chain still held at its end since ``take_peak`` (tests)
+
+void raise_to(std::atomic<int64_t>& a, int64_t v) {
+  int64_t prev = a.load();
+  while (v > prev && !a.compare_exchange_weak(prev, v)) {
+  }
+}
 std::deque<Resolved> g_calls;  // a deque: references stay valid while it grows
 std::vector<int64_t> g_free;   // released entries, reused by ``resolve``
 
@@ -174,17 +181,17 @@ int64_t live() {
 // ``kFreeStep, n, ids...``. Returns ``(out_ids, out_tensors, failed)``: the outputs not freed inside the chain, and
 // ``(step, origin_step, message)`` per failure (steps count ops only; ``origin_step`` is the step whose failure
 // poisoned this one, itself when it raised).
-py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t>& ext_ids,
-                    const std::vector<at::Tensor>& ext_tensors) {
+py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t>& ext_ids, py::list ext_tensors) {
   std::vector<int64_t> out_ids;
   std::vector<at::Tensor> out_tensors;
   std::vector<std::tuple<int64_t, int64_t, std::string>> failed;
+  std::unordered_map<int64_t, at::Tensor> env;
+  env.reserve(ext_ids.size() * 2 + 16);
+  for (size_t i = 0; i < ext_ids.size(); ++i) env.emplace(ext_ids[i], py::cast<at::Tensor>(ext_tensors[i]));
+  ext_tensors.attr("clear")();  // the chain holds its inputs alone: a free step can drop one mid-chain
   {
     py::gil_scoped_release no_gil;
-    std::unordered_map<int64_t, at::Tensor> env;
     std::unordered_map<int64_t, int64_t> poisoned;  // id -> the step whose failure it carries
-    env.reserve(ext_ids.size() * 2 + 16);
-    for (size_t i = 0; i < ext_ids.size(); ++i) env.emplace(ext_ids[i], ext_tensors[i]);
     std::vector<const Resolved*> calls;
     {
       std::lock_guard<std::mutex> lock(g_mutex);
@@ -282,9 +289,8 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
       out_ids.push_back(id);
       out_tensors.push_back(it->second);
     }
-    int64_t prev = g_peak.load();
-    while (static_cast<int64_t>(peak) > prev && !g_peak.compare_exchange_weak(prev, static_cast<int64_t>(peak))) {
-    }
+    raise_to(g_peak, static_cast<int64_t>(peak));
+    raise_to(g_end, static_cast<int64_t>(env.size()));
   }
   py::list failures;
   for (auto& [step, origin, message] : failed) failures.append(py::make_tuple(step, origin, message));
@@ -304,5 +310,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("name_of", &name_of);
   m.def("release", &release);
   m.def("live", &live);
-  m.def("take_peak", []() { return g_peak.exchange(0); });
+  m.def("take_peak", []() { return py::make_tuple(g_peak.exchange(0), g_end.exchange(0)); });
 }

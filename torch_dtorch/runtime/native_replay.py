@@ -150,12 +150,14 @@ class NativeChain:
         """A ``Free`` inside the chain: blobs go at once (the chain holds what it still reads); results the chain
         produces are not published."""
         pop = self.blobs.pop
-        produced = self._produced
+        produced, ext = self._produced, self._ext
         gone: list[int] = []
         for i in operand_ids:
             if i in produced:
                 self._dropped.add(i)
                 gone.append(i)
+            elif i in ext:
+                gone.append(i)  # (its blob goes now; the chain holds the tensor until this point)
             pop(i, None)
         if gone:  # the native loop drops them at this point of the chain (a free step), not at its end
             steps = self._steps
@@ -174,8 +176,10 @@ class NativeChain:
         self._steps, self._ops, self._ext, self._produced, self._dropped = [], [], {}, set(), set()
         assert self._module is not None
         self.ran += n
+        ids, tensors = list(ext), list(ext.values())
+        ext.clear()  # (run_chain empties ``tensors``: the chain alone holds its inputs, and frees them in place)
         try:
-            out_ids, out_tensors, failures = self._module.run_chain(steps, list(ext), list(ext.values()))
+            out_ids, out_tensors, failures = self._module.run_chain(steps, ids, tensors)
         except Exception as e:  # noqa: BLE001 - the loop itself failed: every op of the chain is poisoned
             out_ids, out_tensors = [], []
             failures = [(k, k, f"{type(e).__name__}: {e}") for k in range(n)]
