@@ -44,7 +44,8 @@ log = logging.getLogger("bench.process_wire")
 SECRET = b"b" * 32
 
 
-def capture(ops: int) -> list[list[Any]]:
+def _recording_mesh() -> tuple[Any, list[list[Any]]]:
+    """A 1-device thread-mode mesh whose runner also keeps every batch it is given (in the returned list)."""
     mesh = dt.init_device_mesh("cpu", (1,), mode="thread")
     runner = get_session().executor.runner
     batches: list[list[Any]] = []
@@ -54,7 +55,12 @@ def capture(ops: int) -> list[list[Any]]:
         batches.append(list(batch))
         submit(batch)
 
-    runner.submit = record  # type: ignore[method-assign]
+    runner.submit = record
+    return mesh, batches
+
+
+def capture(ops: int) -> list[list[Any]]:
+    mesh, batches = _recording_mesh()
     try:
         x = dt.distribute_tensor(torch.randn(16, 16), mesh, [Replicate()])
         b = dt.distribute_tensor(torch.randn(16, 16), mesh, [Replicate()])
@@ -77,16 +83,7 @@ def capture_flux(layers: tuple[int, int], *, warmup: int = 2, steps: int = 3) ->
     cpu = torch.device("cpu")
     model = build_model(config, cpu, torch.float32)
     inputs = make_inputs(config, 64, 16, cpu, torch.float32)
-    mesh = dt.init_device_mesh("cpu", (1,), mode="thread")
-    runner = get_session().executor.runner
-    batches: list[list[Any]] = []
-    submit = runner.submit
-
-    def record(batch: Any) -> None:
-        batches.append(list(batch))
-        submit(batch)
-
-    runner.submit = record  # type: ignore[method-assign]
+    mesh, batches = _recording_mesh()
     first = 0
     try:
         model_d = copy.deepcopy(model)
