@@ -27,7 +27,9 @@ from torch_dtorch.device.fastpath_keys import (
     bind_unbound,
     constant_key,
     fresh_dense,
+    full_path,
     is_scalar_upload,
+    keep,
     layout_of,
     pattern_key,
     stats,
@@ -324,9 +326,7 @@ class FastOp:
         k = tuple(key)
         tpl = fastpath_grow.derive(self.grown, rt, get_rule(self.op), self.op, targs, kwargs, k, self)
         if tpl is not None:
-            if len(self.cache) >= _TEMPLATES_PER_OP:
-                self.cache.clear()
-            self.cache[k] = tpl
+            keep(self.cache, k, tpl, limit=_TEMPLATES_PER_OP)
         return tpl
 
     def _record(
@@ -339,15 +339,11 @@ class FastOp:
         alt: tuple[Any, ...] | None = None,
     ) -> Any:
         """Take the full path, then keep a template if the call qualifies."""
-        stats["miss"] += 1
-        constructor = rt.executor.constructor
-        before = constructor.last_call
-        out = dispatch.dispatch_op(self.op, args, kwargs)
-        last = constructor.last_call
-        if last is None or last is before:
+        out, last = full_path(rt, self.op, args, kwargs)
+        if last is None:
             return out
         call, rule, outputs = last.call, last.rule, last.outputs
-        if last.op is not self.op or rule.output_is_input != self.written:
+        if rule.output_is_input != self.written:
             return out
         if self.written is not None and (
             self.written in last.moved
@@ -374,9 +370,7 @@ class FastOp:
         if any(o.mesh is None for o in outputs):
             return out
         first = next(x for x in expected if x is not None)
-        if len(self.cache) >= _TEMPLATES_PER_OP:
-            self.cache.clear()
-        tpl = self.cache[key] = Template(
+        tpl = Template(
             rule,
             call,
             op_plan=last.plan,
@@ -387,6 +381,7 @@ class FastOp:
             owner=self,
             targs=targs,
         )
+        keep(self.cache, key, tpl, limit=_TEMPLATES_PER_OP)
         if alt is not None and rule.view_of is None and self.written is None and fresh_dense(outputs):
             self.cache[alt] = tpl  # (the stride pattern's key: see _pattern_key)
         fastpath_grow.keep(self.grown, rt, rule, call, last.plan, outputs, key)

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from torch_dtorch.device import binding
+from torch_dtorch.device import binding, dispatch
 from torch_dtorch.graph import Operand
 from torch_dtorch.graph.strides import is_dense, stride_key
 from torch_dtorch.mesh import current_mesh
@@ -135,3 +135,22 @@ def is_scalar_upload(x: Operand | None, t: Tensor) -> bool:
         and x.dtype == t.dtype
         and all(type(p) is Replicate for p in x.placements)
     )
+
+
+def full_path(rt: Any, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """A miss: ``op`` on the full path. Returns its result and the constructor's record of the call (its
+    ``last_call``), or ``None`` when the call recorded no operator of ``op`` (it decomposed or went elsewhere)."""
+    stats["miss"] += 1
+    constructor = rt.executor.constructor
+    before = constructor.last_call
+    out = dispatch.dispatch_op(op, args, kwargs)
+    last = constructor.last_call
+    return out, (None if last is None or last is before or last.op is not op else last)
+
+
+def keep(cache: dict[Any, Any], key: Any, template: Any, *, limit: int) -> Any:
+    """``cache[key] = template``; a cache at ``limit`` templates starts again empty (a long run of new shapes)."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = template
+    return template

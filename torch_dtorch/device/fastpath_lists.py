@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from torch_dtorch.device import binding, dispatch, state
-from torch_dtorch.device.fastpath_keys import MISS, constant_key, layout_of, stats
+from torch_dtorch.device import binding, state
+from torch_dtorch.device.fastpath_keys import MISS, constant_key, full_path, keep, layout_of, stats
 from torch_dtorch.device.tensors import TABLE
 from torch_dtorch.executor.constructor import redistribute_spec
 from torch_dtorch.executor.fast import FastPlan
@@ -165,12 +165,8 @@ class FastListOp:
         key: tuple[Any, ...],
     ) -> Any:
         """Take the full path, then keep a template if the call qualifies."""
-        stats["miss"] += 1
-        constructor = rt.executor.constructor
-        before = constructor.last_call
-        out = dispatch.dispatch_op(self.op, args, kwargs)
-        last = constructor.last_call
-        if last is None or last is before or last.op is not self.op or not last.rule.writes_inputs:
+        out, last = full_path(rt, self.op, args, kwargs)
+        if last is None or not last.rule.writes_inputs:
             return out
         call = last.call
         if len(call.inputs) != len(inputs) or any(
@@ -189,9 +185,7 @@ class FastListOp:
         )
         out_specs = [(m, o.mesh, o.placements) for m, o in zip(last.plan.out_meta, last.outputs, strict=True)]
         plan = FastPlan(last.rule, call, targets, out_specs, last.plan.assign, last.plan.cost, moves)
-        if len(self.cache) >= _TEMPLATES_PER_OP:
-            self.cache.clear()
-        self.cache[key] = ListTemplate(plan, tuple(range(n)))
+        keep(self.cache, key, ListTemplate(plan, tuple(range(n))), limit=_TEMPLATES_PER_OP)
         stats["recorded"] += 1
         return out
 
