@@ -147,8 +147,8 @@ class NativeChain:
         return True
 
     def free(self, operand_ids: Sequence[int]) -> None:
-        """A ``Free`` inside the chain: blobs go at once (the chain holds what it still reads); results the chain
-        produces are not published."""
+        """A ``Free`` inside the chain: blobs go at once; the tensors the chain made or read of those ids go at this
+        point of the chain (a free step of the native loop), and what it made of them is not published."""
         pop = self.blobs.pop
         produced, ext = self._produced, self._ext
         gone: list[int] = []
