@@ -51,12 +51,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import logging
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -233,6 +235,16 @@ def call_kwargs(
     return kw
 
 
+def _gpu_trace() -> Any:
+    """``bench/gpu_trace.py`` (this file may be loaded by path, without ``bench/`` on ``sys.path``)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import gpu_trace
+
+    return gpu_trace
+
+
 def prepare(row: Row, pipe: Any, args: argparse.Namespace) -> Any:
     mode = row.mode
     if mode == "diffusers":
@@ -281,6 +293,13 @@ def time_mode(row: Row, args: argparse.Namespace, device: torch.device, dtype: t
             sync()
             times.append(time.perf_counter() - t0)
     fetches = None if row.mode in BASELINES else fetched[0] / args.repeat
+    if args.trace:
+        _gpu_trace().trace_call(
+            functools.partial(pipe, **kw, generator=torch.Generator().manual_seed(0)),
+            sync=sync,
+            label=f"{args.model}-{mode}",
+            out_dir=args.trace,
+        )
     assert out is not None
     result = out.float().cpu()
     skipped = ""
@@ -433,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --quant/--fuse/--cache-skip: leave out the dtorch modes' plain rows",
     )
     parser.add_argument("--save", metavar="FILE", default=None, help="also save the rows for --report")
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="after the timed calls, one more call per mode under torch.profiler: logs GPU busy time, idle gaps and "
+        "top kernels (bench/gpu_trace.py) and writes the Chrome trace to DIR",
+    )
     parser.add_argument(
         "--report",
         nargs="+",

@@ -37,8 +37,10 @@ import argparse
 import gc
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,7 +99,7 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, float]:
+def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
     if mode.startswith("dtorch"):  # only then: see run_fresh
         import torch_dtorch as dt
 
@@ -150,16 +152,30 @@ def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str
         sync()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
-    return {"step_s": statistics.median(times), "peak_gib": peak, "loss": first_loss}
+    result: dict[str, Any] = {"step_s": statistics.median(times), "peak_gib": peak, "loss": first_loss}
+    if args.trace:
+        summary = _gpu_trace().trace_call(step, sync=sync, label=f"train-{mode}", out_dir=args.trace)
+        result["trace"] = summary.lines(f"train-{mode}")
+    return result
 
 
-def _in_process(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, float]:
+def _gpu_trace() -> Any:
+    """``bench/gpu_trace.py`` (this file may be loaded by path, without ``bench/`` on ``sys.path``)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import gpu_trace
+
+    return gpu_trace
+
+
+def _in_process(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
     return run_fresh(mode, args, ids.to(args.device), spawn=False)
 
 
 def run_fresh(
     mode: str, args: argparse.Namespace, ids: torch.Tensor, *, spawn: bool | None = None
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """:func:`run_mode`, then everything it made is dropped (the worker pool too) before the next mode.
 
     On CUDA each mode runs in a process of its own (``spawn``): the torch baselines must not import torch_dtorch,
@@ -197,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU: every path runs")
     parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="one more step per mode under torch.profiler: prints GPU busy time, idle gaps and top kernels "
+        "(bench/gpu_trace.py) and writes the Chrome trace to DIR",
+    )
+    parser.add_argument(
         "--worker-compiler",
         default=None,
         choices=["eager", "inductor"],
@@ -219,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         f"seq {args.seq}, {str(args.dtype).removeprefix('torch.')}, AdamW(foreach), {device_name}, "
         f"torch {torch.__version__}"
     )
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         log.info("running %s", mode)
         results[mode] = run_fresh(mode, args, ids)
@@ -229,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode, r in results.items():
         ratio = f"{r['step_s'] / base:.3f}" if base else "-"
         print(f"| {mode} | {r['step_s'] * 1e3:.1f} | {ratio} | {r['peak_gib']:.2f} | {r['loss']:.5f} |")
+    for r in results.values():
+        for line in r.get("trace", []):
+            print(line)
     inductor = results.get("inductor", {}).get("step_s")
     for mode, r in results.items():
         if inductor and mode.startswith("dtorch-compiled"):
