@@ -83,6 +83,26 @@ def setup_privateuse1_python_backend(name: str) -> None:
 _STREAM_ASSERT = "opt_ready_stream && opt_parent_stream"
 
 
+#: the assertion of an engine whose device threads started before the dtorch device existed (a backward ran before
+#: ``import torch_dtorch``): its per-device queues were sized without it
+_READY_QUEUE_ASSERT = "device_ready_queues_.size()"
+#: set once that assertion was seen: every later backward runs on the calling thread
+_ENGINE_WITHOUT_DTORCH_QUEUE = [False]
+
+
+def _dtorch_roots(roots: Any) -> bool:
+    """Whether every root of a backward is a dtorch tensor (or an edge of one): the engine then fails on its first
+    push to the dtorch queue, after running only its graph root, so the call can be repeated."""
+    items = roots if isinstance(roots, (list, tuple)) else (roots,)
+    if not items:
+        return False
+    for r in items:
+        t = r if isinstance(r, torch.Tensor) else None
+        if t is None or t.device.type != "dtorch":
+            return False
+    return True
+
+
 def explain_cuda_autograd_conflict() -> None:
     """Turn torch's INTERNAL ASSERT for a plain-CUDA backward after ``import torch_dtorch`` into a clear error.
 
@@ -97,9 +117,23 @@ def explain_cuda_autograd_conflict() -> None:
 
     @functools.wraps(run)
     def explained(*args: Any, **kwargs: Any) -> Any:
+        if _ENGINE_WITHOUT_DTORCH_QUEUE[0]:
+            with torch.autograd.set_multithreading_enabled(False):
+                return run(*args, **kwargs)
         try:
             return run(*args, **kwargs)
         except RuntimeError as e:
+            if _READY_QUEUE_ASSERT in str(e) and _dtorch_roots(args[0] if args else kwargs.get("t_outputs")):
+                # nothing ran but the graph root: its first push to the dtorch device's queue failed
+                _ENGINE_WITHOUT_DTORCH_QUEUE[0] = True
+                log.warning(
+                    "torch's autograd engine started its device threads before torch_dtorch was imported (a "
+                    "backward ran first), so it has no queue for the dtorch device; dtorch backward passes in this "
+                    "process now run on the calling thread (torch.autograd.set_multithreading_enabled(False)). "
+                    "Import torch_dtorch before the first backward to keep the engine's device thread."
+                )
+                with torch.autograd.set_multithreading_enabled(False):
+                    return run(*args, **kwargs)
             if _STREAM_ASSERT not in str(e):
                 raise
             from torch_dtorch.errors import AcceleratorConflictError

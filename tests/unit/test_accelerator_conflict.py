@@ -45,3 +45,33 @@ def test_other_errors_pass_unchanged() -> None:
     with pytest.raises(RuntimeError, match="^something else$") as info:
         _backward("something else")
     assert not isinstance(info.value, AcceleratorConflictError)
+
+
+_BACKWARD_BEFORE_IMPORT = """
+import logging, torch
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+x = torch.ones(3, requires_grad=True)
+(x * 2).sum().backward()  # the engine starts its device threads now, before the dtorch device exists
+import torch_dtorch as dt
+mesh = dt.init_device_mesh("cpu", (2,))
+w = dt.distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh).requires_grad_()
+for _ in range(2):  # the second backward takes the calling-thread path at once
+    (w * w).sum().backward()
+print("grad", dt.to_torch(w.grad).tolist())
+"""
+
+
+def test_backward_before_import_runs_on_the_calling_thread() -> None:
+    """A backward before ``import torch_dtorch`` sized the engine's device queues without the dtorch device; dtorch's
+    backward then failed torch's INTERNAL ASSERT ``device_ready_queues_``. It now runs on the calling thread (with a
+    warning that says why), and the gradients are right."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _BACKWARD_BEFORE_IMPORT], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = (2 * 2 * torch.arange(6.0).reshape(2, 3)).tolist()  # two backward passes accumulate 2w each
+    assert f"grad {expected}" in proc.stdout
+    assert "started its device threads before torch_dtorch was imported" in proc.stderr

@@ -34,9 +34,12 @@ from torch_dtorch.collectives.errors import (
 from torch_dtorch.collectives.group import DoneWork, Group, Work, check_reduce_op, collective_timeout_s
 from torch_dtorch.collectives.mailbox import Mailbox
 
-__all__ = ["InMemoryComm", "InMemoryGroup", "InMemoryGroupHandle", "InMemoryWorld"]
+__all__ = ["SHUTDOWN", "InMemoryComm", "InMemoryGroup", "InMemoryGroupHandle", "InMemoryWorld"]
 
 logger = logging.getLogger(__name__)
+
+#: the reason a normal shutdown gives :meth:`InMemoryWorld.abort` (logged at debug level only)
+SHUTDOWN = "shut down"
 
 _Compute = Callable[[list[Any]], Sequence[torch.Tensor]]
 _DONE = DoneWork()
@@ -324,7 +327,8 @@ class InMemoryWorld:
             if self._abort is None:
                 self._abort = failure
             groups = list(self._groups.values())
-        logger.info("aborting %r: %s", self, reason)
+        # a normal shutdown aborts too (waking any waiter): worth a line only when something else failed it
+        logger.log(logging.DEBUG if reason == SHUTDOWN else logging.INFO, "aborting %r: %s", self, reason)
         for g in groups:
             g._fail(failure)
         self._mailbox.abort(failure.error)

@@ -125,7 +125,9 @@ class ThreadRunner:
                 return
             self._closed = True
         try:
-            self.world.abort()
+            from torch_dtorch.collectives.memory import SHUTDOWN
+
+            self.world.abort(SHUTDOWN)
         except Exception:  # noqa: BLE001 - shutting down anyway
             log.exception("ThreadRunner: aborting the collectives world failed")
         for s in self.streams.values():
