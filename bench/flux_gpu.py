@@ -258,7 +258,9 @@ def prepare(row: Row, pipe: Any, args: argparse.Namespace) -> Any:
 
     n = 4 if mode == "ulysses4" else 1
     simulate = args.device == "cuda" and n > 1
-    mesh = dt.init_device_mesh(args.device, (n,), mesh_dim_names=("cp",), simulate=simulate)
+    mesh = dt.init_device_mesh(
+        args.device, (n,), mesh_dim_names=("cp",), simulate=simulate, mode=args.worker_mode
+    )
     compiled = mode in ("dtorch-compiled", "ulysses4")
     config = ExecuteConfig(
         cp_mode="ulysses",
@@ -450,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         "--accelerated-only",
         action="store_true",
         help="with --quant/--fuse/--cache-skip: leave out the dtorch modes' plain rows",
+    )
+    parser.add_argument(
+        "--worker-mode",
+        choices=("thread", "process"),
+        default="thread",
+        help="dtorch modes: worker threads in this process (default) or worker processes",
     )
     parser.add_argument("--save", metavar="FILE", default=None, help="also save the rows for --report")
     parser.add_argument(

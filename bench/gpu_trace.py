@@ -73,7 +73,9 @@ def summarize(events: list[dict[str, Any]], *, wall_ms: float, min_gap_us: float
     launches = {
         e["args"]["correlation"]: e
         for e in events
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cuda_runtime", "cuda_driver")  # Triton launches through the driver API
+        and "correlation" in e.get("args", {})
     }
     spans: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)  # per (pid, tid): cpu_op spans
     for e in events:

@@ -14,7 +14,7 @@ Variants (``--variants``, default all):
 - ``torch-compile``: ``model.forward = torch.compile(model.forward)`` (inductor, dynamic KV cache);
 - ``torch-compile-static``: static KV cache + ``mode="reduce-overhead"`` (CUDA graphs): HF's recommended compiled
   generation; the best of the two torch.compile rows is the compiled baseline;
-- ``dtorch-eager``: ``parallelize_llama`` on a 1-device CUDA mesh (thread mode), eager;
+- ``dtorch-eager``: ``parallelize_llama`` on a 1-device CUDA mesh (thread mode; ``--mode process``: worker processes), eager;
 - ``dtorch-compile``: the same, ``torch.compile(model.forward, backend="dtorch", options={"worker_compiler":
   "inductor"})``;
 - ``dtorch-tp2-sim``: a 2-rank ``tp`` mesh simulated on the one GPU (``simulate=True``), eager: shows the TP path
@@ -214,7 +214,7 @@ def _run_variant(
     sim = name == "dtorch-tp2-sim"
     shape, names = ((2,), ("tp",)) if sim else ((1,), ("dp",))
     mesh = dt.init_device_mesh(
-        device.type, shape, mesh_dim_names=names, simulate=sim and device.type == "cuda"
+        device.type, shape, mesh_dim_names=names, simulate=sim and device.type == "cuda", mode=args.mode
     )
     source = _build_torch_model(args, device, dtype)  # the same seeded weights as the torch rows
     old = torch.get_default_dtype()
@@ -254,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS), help=",".join(VARIANTS))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--mode",
+        choices=("thread", "process"),
+        default="thread",
+        help="dtorch variants: worker threads in this process (default) or worker processes",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)

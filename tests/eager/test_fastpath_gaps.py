@@ -229,3 +229,38 @@ def test_a_diffusion_like_step_plans_nothing_after_the_first() -> None:
     assert _planned() == planned
     assert _general(mesh) == general
     assert torch.equal(dt.to_torch(x), ref)
+
+
+SDPA_CASES = [  # (name, q placement, causal, whether the workers replay it)
+    ("heads", Shard(1), False, True),
+    ("heads_causal", Shard(1), True, True),
+    ("replicated_causal", Replicate(), True, True),
+    ("query_rows", Shard(2), False, True),
+    ("query_rows_causal", Shard(2), True, False),  # each rank's rows need their own offset mask
+]
+
+
+@thread_only
+@pytest.mark.parametrize(("name", "qp", "causal", "replayed"), SDPA_CASES, ids=[c[0] for c in SDPA_CASES])
+def test_attention_replays_on_the_workers(name: str, qp: Any, causal: bool, replayed: bool) -> None:
+    """``scaled_dot_product_attention`` without context parallelism is the op itself on every rank's shards: the
+    workers replay it (FLUX runs 57 per step, a Llama decode one per layer) — but a causal query shard keeps the
+    general path, whose kernel builds the rank's offset mask. Results equal torch either way."""
+    mesh = init_mesh((2,))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    kvp = qp if qp == Shard(1) else Replicate()
+    dq = dt.distribute_tensor(q, mesh, [qp])
+    dk, dv = (dt.distribute_tensor(t, mesh, [kvp]) for t in (k, v))
+
+    def fn() -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, is_causal=causal)
+
+    fn()
+    fn()
+    general = _general(mesh)
+    for _ in range(2):
+        torch.testing.assert_close(dt.to_torch(fn()), want)
+    ran_general = (_general(mesh) - general)["aten.scaled_dot_product_attention"]
+    assert ran_general == (0 if replayed else 2 * 2), f"{name}: {ran_general} calls on the general path"

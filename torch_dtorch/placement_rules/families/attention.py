@@ -31,7 +31,7 @@ import torch
 from torch_dtorch.graph import Operand, OperatorCost, TensorMeta
 from torch_dtorch.ops.cost import sdpa_cost
 from torch_dtorch.placement import Partial, Placement, Replicate, Shard
-from torch_dtorch.placement_rules.call import LocalContext, OpCall
+from torch_dtorch.placement_rules.call import LocalContext, OpCall, every_shard_nonempty
 from torch_dtorch.placement_rules.families.context_parallel import (
     cp_axes,
     cp_signatures,
@@ -131,6 +131,23 @@ def _kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict
     return call.op(**bound)
 
 
+def _as_is(call: OpCall) -> bool:
+    """:func:`_kernel` is the op itself on every rank's shards, so workers resolve it once and replay it (the
+    native loop on CUDA): nothing context parallel, no observer hook (tests), no empty shard, and a causal call's
+    query sequence whole on every rank (a query shard needs its own offset mask)."""
+    mesh = call.mesh
+    if mesh is None or cp_axes(call) or local_attention_hooks:
+        return False
+    if call.arg("is_causal"):
+        q, pq = call.inputs[0], call.placements[0]
+        if q is None or pq is None:
+            return False
+        seq = q.ndim - 2
+        if any(mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % q.ndim == seq for a, p in enumerate(pq)):
+            return False
+    return every_shard_nonempty(call)
+
+
 def _cost(call: OpCall) -> OperatorCost:
     q, k, v, _ = _qkv(call)
     out = call.out_meta[0].shape
@@ -183,6 +200,7 @@ def _grown_meta(call: OpCall, kept: Sequence[TensorMeta]) -> list[TensorMeta] | 
     intercept=True,
     check=_check,
     kernel=_kernel,
+    as_is=_as_is,
     cost=_cost,
     growth=Growth(_growth_key, _grown_meta),
 )
