@@ -27,6 +27,7 @@ the forward (load balanced), fully masked block pairs are skipped.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,13 @@ from torch_dtorch.placement import (
     local_shape_and_offset,
 )
 from torch_dtorch.placement_rules.call import LocalContext, OpCall, every_shard_nonempty
+from torch_dtorch.placement_rules.families.attention_local import (
+    Choice,
+    choose_kernel,
+    cuda_support,
+    fused_backward,
+    fused_forward,
+)
 from torch_dtorch.placement_rules.families.comm import (
     CP_TAG,
     ContextParallelError,
@@ -70,6 +78,8 @@ from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
 __all__ = ["ATTENTION_WITH_LSE", "ATTENTION_BACKWARD"]
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -283,12 +293,35 @@ def fused_locally(call: OpCall) -> bool:
     return every_shard_nonempty(call)
 
 
+def local_choice(call: OpCall, ctx: LocalContext, b: dict[str, Any]) -> Choice:
+    """The rank's local kernel (``attention_local.choose_kernel``) from its bound local arguments ``b``: torch's
+    fused CUDA attention, or the blockwise kernel below."""
+    q, k, v = b["query"], b["key"], b["value"]
+    mesh, pq = call.mesh, call.placements[_slots(call)["q"]]
+    q_global = _operand(call, "q")
+    assert mesh is not None and pq is not None and q_global is not None
+    support = cuda_support(q.device)
+    offset = 0  # the global row of the rank's first query (read only on CUDA)
+    if support is not None:
+        offset = local_shape_and_offset(q_global.shape, mesh.shape, pq, ctx.coordinate)[1][-2]
+    choice = choose_kernel(
+        q, k, v, b.get("attn_mask"), causal=bool(b.get("is_causal", False)),
+        dropout_p=float(b.get("dropout_p") or 0.0), context_parallel=bool(cp_axes(call)), query_offset=offset,
+        support=support,
+    )  # fmt: skip
+    log.debug("%s on device %d: %s kernel (%s)", call.op, ctx.device, choice.kernel.value, choice.reason)
+    return choice
+
+
 def _forward_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if fused_locally(call):
         return call.op(*args, **kwargs)
     b = _bind(call, args, kwargs)
     q, k, v, mask = b["query"], b["key"], b["value"], b.get("attn_mask")
     causal = bool(b.get("is_causal", False))
+    choice = local_choice(call, ctx, b)
+    if choice.fused:
+        return fused_forward(choice, q, k, v, mask, causal=causal, scale=b.get("scale"))
     plan = _plan(call, ctx, q.shape[-3] if q.ndim >= 3 else 1, causal)
     scale = _scale(b, q)
     q, k, v = (_to_heads(x, plan, seq=-2, head=-3) for x in (q, k, v))
@@ -374,6 +407,9 @@ def _backward_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwa
     dout, q, k, v, out, lse = (b[n] for n in ("grad_out", "query", "key", "value", "out", "logsumexp"))
     mask = b.get("attn_mask")
     causal = bool(b.get("is_causal", False))
+    choice = local_choice(call, ctx, b)
+    if choice.fused:
+        return fused_backward(choice, dout, q, k, v, out, lse, mask, causal=causal, scale=b.get("scale"))
     plan = _plan(call, ctx, q.shape[-3] if q.ndim >= 3 else 1, causal)
     scale = _scale(b, q)
     q, k, v, out, dout = (_to_heads(x, plan, seq=-2, head=-3) for x in (q, k, v, out, dout))
