@@ -15,9 +15,12 @@ backward ``(dout, q, k, v, out, lse, mask?) -> (dq, dk, dv)``. q, k and v share 
   ``S(-1)``, mask ``R`` -> ``S(-2)`` (and lse ``S(-1)``); the kernel communicates;
 - backward, **linear in dout**: ``dout`` ``P(sum|avg)``, the rest ``R`` -> every gradient the same ``P``.
 
-Kernels: one blockwise float32 computation with global positions serves every case — a ring group of one when
-nothing is context parallel (causal offsets and masks by global row / column), the ring of ``context_parallel_ring``
-otherwise. **Ulysses** axes first move every tensor from sequence- to head-sharded (all-to-all, as the forward
+Kernels (per rank): where nothing is context parallel, torch's own fused kernels when they compute the same thing
+— on CPU meshes the pair itself (:func:`fused_locally`, which workers replay), on CUDA flash or memory-efficient
+attention (``attention_local.choose_kernel``: fp16/bf16/fp32, a head size torch's kernels take, causal only where
+the rank's queries start at row 0). Everything else runs one blockwise float32 computation with global positions —
+a ring group of one when nothing is context parallel (causal offsets and masks by global row / column: a causal
+query shard below row 0), the ring of ``context_parallel_ring`` otherwise. **Ulysses** axes first move every tensor from sequence- to head-sharded (all-to-all, as the forward
 does) and back after. **Ring** backward: the query side (q, out, dout, lse) stays; key/value blocks travel around
 the ring with their gradient accumulators ``dk`` / ``dv`` — ``n`` rotations, so each block's accumulators come home
 with every rank's contribution — and each step adds ``dq += s·dS·k``, ``dk += s·dSᵀ·q``, ``dv += Pᵀ·dout`` with
@@ -279,8 +282,8 @@ def _bind(call: OpCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
 def fused_locally(call: OpCall) -> bool:
     """The call runs as torch's own fused CPU kernel (the op itself) on every rank's shards, which workers replay:
     CPU workers, nothing context parallel, the query sequence whole on every rank (causal alignment is then the
-    kernel's own), no empty shard. Otherwise (and on CUDA, where this aten pair has no kernel) the blockwise
-    float32 kernel below runs."""
+    kernel's own), no empty shard. Otherwise the kernels below decide per rank (:func:`local_choice`): torch's
+    fused CUDA attention on CUDA (this aten pair has no CUDA kernel), else the blockwise float32 kernel."""
     mesh = call.mesh
     if mesh is None or mesh.device_type != "cpu" or cp_axes(call):
         return False
