@@ -210,6 +210,47 @@ def _torch_fused(q, k, v, dout, causal: bool) -> list[torch.Tensor]:
     return [out, *grads]
 
 
+def _spy_fused(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the fused kernels the attention pair's rule kernels call (``flash_forward``, ...)."""
+    from torch_dtorch.placement_rules.families import attention_backward as ab
+
+    counts: dict[str, int] = {}
+    for name, real in (("forward", al.fused_forward), ("backward", al.fused_backward)):
+
+        def f(choice, *args, _real=real, _name=name, **kwargs):
+            key = f"{choice.kernel.value}_{_name}"
+            counts[key] = counts.get(key, 0) + 1
+            return _real(choice, *args, **kwargs)
+
+        monkeypatch.setattr(ab, f"fused_{name}", f)
+    return counts
+
+
+@thread_only
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("dtype", "masked"), [(torch.float32, False), (BF16, True)], ids=["f32", "bf16-mask"]
+)
+def test_cuda_memory_efficient_sdpa_backward(monkeypatch, dtype: torch.dtype, masked: bool) -> None:
+    """The memory-efficient kernels on a simulated 2-device CUDA mesh, batch-sharded (float32; bf16 with a boolean
+    mask of 200 keys, not a multiple of the bias alignment; 200 queries, not a multiple of the lse padding): the
+    kernels ran, gradients near a float64 CPU reference."""
+    counts = _spy_fused(monkeypatch)
+    q, k, v, w = (t.to("cuda") for t in _inputs(2, 4, 200, 64, dtype, seed=8))
+    mask = None
+    if masked:
+        mask = torch.rand(200, 200, generator=torch.Generator().manual_seed(9)) > 0.3
+        mask.fill_diagonal_(True)
+    ref64 = _sdpa_grads([t.cpu().double() for t in (q, k, v, w)], not masked, mask)
+    mesh = dt.init_device_mesh("cuda", (2,), simulate=True)
+    out, grads = _sdpa_grads([q, k, v, w], not masked, None if mask is None else mask.cuda(), mesh, [S0] * 3)
+    assert counts == {"efficient_forward": 2, "efficient_backward": 2}, counts
+    tol = 1e-2 if dtype == torch.float32 else 5e-2  # (TF32 matmuls where the kernel uses them)
+    for got, r in zip([out, *grads], [ref64[0], *ref64[1]], strict=True):
+        torch.testing.assert_close(got.cpu().double(), r, atol=tol, rtol=tol)
+
+
+@thread_only
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("n", "pl"), [(1, R), (2, S0), (2, S1)], ids=["1dev", "batch", "heads"])
@@ -218,20 +259,7 @@ def test_cuda_sdpa_backward_equals_torch_fused(
 ) -> None:
     """bf16 dtorch SDPA under grad on a (simulated) CUDA mesh: torch's flash kernels ran on every rank (counted),
     forward equal to torch's flash forward, gradients to its backward (and both near a float64 CPU reference)."""
-    counts: dict[str, int] = {}
-    real = al.fused_forward, al.fused_backward
-
-    def spy(i: int, name: str):
-        def f(choice, *args, **kwargs):
-            counts[f"{choice.kernel.value}_{name}"] = counts.get(f"{choice.kernel.value}_{name}", 0) + 1
-            return real[i](choice, *args, **kwargs)
-
-        return f
-
-    from torch_dtorch.placement_rules.families import attention_backward as ab
-
-    monkeypatch.setattr(ab, "fused_forward", spy(0, "forward"))
-    monkeypatch.setattr(ab, "fused_backward", spy(1, "backward"))
+    counts = _spy_fused(monkeypatch)
     q, k, v, w = (t.to("cuda") for t in _inputs(2, 8, 256, 64, BF16, seed=7))
     dout = w.float().to(BF16)  # d(sum(out.float() * w))/d out
     want = _torch_fused(q, k, v, dout, causal)
@@ -239,9 +267,8 @@ def test_cuda_sdpa_backward_equals_torch_fused(
     mesh = dt.init_device_mesh("cuda", (n,), simulate=n > 1)
     out, grads = _sdpa_grads([q, k, v, w], causal, None, mesh, [pl] * 3)
     assert counts == {"flash_forward": n, "flash_backward": n}, counts
-    torch.testing.assert_close(
-        out, want[0], atol=1e-2, rtol=1e-2
-    )  # the same kernel (its split heuristics aside)
+    # the same kernel (its split heuristics aside)
+    torch.testing.assert_close(out, want[0], atol=1e-2, rtol=1e-2)
     for got, w_, r in zip(grads, want[1:], ref64[1], strict=True):
         torch.testing.assert_close(got, w_, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got.cpu().double(), r, atol=5e-2, rtol=5e-2)
