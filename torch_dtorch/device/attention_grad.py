@@ -7,7 +7,15 @@ an ``L x S`` score matrix per rank. Instead, :func:`sdpa_autograd` wraps the cal
 forward is ``_scaled_dot_product_flash_attention_for_cpu`` (output and log-sum-exp) and whose backward is that op's
 backward — both have placement rules with batch/head, query-sequence and context-parallel (Ulysses, ring)
 signatures (``placement_rules/families/attention_backward.py``). The name says *cpu* because it is the aten pair
-with a device-independent schema; the rule kernels compute blockwise on any device.
+with a device-independent schema (output and log-sum-exp only); what each rank runs is the rule's choice:
+
+- **CPU**, nothing context parallel, the query sequence whole on every rank: the pair itself (torch's fused CPU
+  kernel);
+- **CUDA**, nothing context parallel (batch/head-sharded, query-sequence-sharded with replicated k/v, or
+  replicated): torch's fused CUDA attention — flash (fp16/bf16, no mask) or memory-efficient (a mask, float32) —
+  where its local causal mask is the global one (``placement_rules/families/attention_local.py`` decides per rank);
+- otherwise (context parallel, a causal query shard below row 0, float64, ...): the rule's blockwise float32
+  kernel with global positions (the ring and Ulysses of context parallelism).
 
 Taken when an input requires grad, ``dropout_p == 0``, q/k/v are 4-d with one head size and the mask does not
 require grad; GQA (``enable_gqa`` with fewer kv heads) repeats the kv heads first (autograd sums their gradients).

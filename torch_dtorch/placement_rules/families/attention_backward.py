@@ -15,9 +15,12 @@ backward ``(dout, q, k, v, out, lse, mask?) -> (dq, dk, dv)``. q, k and v share 
   ``S(-1)``, mask ``R`` -> ``S(-2)`` (and lse ``S(-1)``); the kernel communicates;
 - backward, **linear in dout**: ``dout`` ``P(sum|avg)``, the rest ``R`` -> every gradient the same ``P``.
 
-Kernels: one blockwise float32 computation with global positions serves every case — a ring group of one when
-nothing is context parallel (causal offsets and masks by global row / column), the ring of ``context_parallel_ring``
-otherwise. **Ulysses** axes first move every tensor from sequence- to head-sharded (all-to-all, as the forward
+Kernels (per rank): where nothing is context parallel, torch's own fused kernels when they compute the same thing
+— on CPU meshes the pair itself (:func:`fused_locally`, which workers replay), on CUDA flash or memory-efficient
+attention (``attention_local.choose_kernel``: fp16/bf16/fp32, a head size torch's kernels take, causal only where
+the rank's queries start at row 0). Everything else runs one blockwise float32 computation with global positions —
+a ring group of one when nothing is context parallel (causal offsets and masks by global row / column: a causal
+query shard below row 0), the ring of ``context_parallel_ring`` otherwise. **Ulysses** axes first move every tensor from sequence- to head-sharded (all-to-all, as the forward
 does) and back after. **Ring** backward: the query side (q, out, dout, lse) stays; key/value blocks travel around
 the ring with their gradient accumulators ``dk`` / ``dv`` — ``n`` rotations, so each block's accumulators come home
 with every rank's contribution — and each step adds ``dq += s·dS·k``, ``dk += s·dSᵀ·q``, ``dv += Pᵀ·dout`` with
@@ -27,6 +30,7 @@ the forward (load balanced), fully masked block pairs are skipped.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +48,13 @@ from torch_dtorch.placement import (
     local_shape_and_offset,
 )
 from torch_dtorch.placement_rules.call import LocalContext, OpCall, every_shard_nonempty
+from torch_dtorch.placement_rules.families.attention_local import (
+    Choice,
+    choose_kernel,
+    cuda_support,
+    fused_backward,
+    fused_forward,
+)
 from torch_dtorch.placement_rules.families.comm import (
     CP_TAG,
     ContextParallelError,
@@ -70,6 +81,8 @@ from torch_dtorch.placement_rules.rule import register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
 __all__ = ["ATTENTION_WITH_LSE", "ATTENTION_BACKWARD"]
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -269,8 +282,8 @@ def _bind(call: OpCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
 def fused_locally(call: OpCall) -> bool:
     """The call runs as torch's own fused CPU kernel (the op itself) on every rank's shards, which workers replay:
     CPU workers, nothing context parallel, the query sequence whole on every rank (causal alignment is then the
-    kernel's own), no empty shard. Otherwise (and on CUDA, where this aten pair has no kernel) the blockwise
-    float32 kernel below runs."""
+    kernel's own), no empty shard. Otherwise the kernels below decide per rank (:func:`local_choice`): torch's
+    fused CUDA attention on CUDA (this aten pair has no CUDA kernel), else the blockwise float32 kernel."""
     mesh = call.mesh
     if mesh is None or mesh.device_type != "cpu" or cp_axes(call):
         return False
@@ -283,12 +296,35 @@ def fused_locally(call: OpCall) -> bool:
     return every_shard_nonempty(call)
 
 
+def local_choice(call: OpCall, ctx: LocalContext, b: dict[str, Any]) -> Choice:
+    """The rank's local kernel (``attention_local.choose_kernel``) from its bound local arguments ``b``: torch's
+    fused CUDA attention, or the blockwise kernel below."""
+    q, k, v = b["query"], b["key"], b["value"]
+    mesh, pq = call.mesh, call.placements[_slots(call)["q"]]
+    q_global = _operand(call, "q")
+    assert mesh is not None and pq is not None and q_global is not None
+    support = cuda_support(q.device)
+    offset = 0  # the global row of the rank's first query (read only on CUDA)
+    if support is not None:
+        offset = local_shape_and_offset(q_global.shape, mesh.shape, pq, ctx.coordinate)[1][-2]
+    choice = choose_kernel(
+        q, k, v, b.get("attn_mask"), causal=bool(b.get("is_causal", False)),
+        dropout_p=float(b.get("dropout_p") or 0.0), context_parallel=bool(cp_axes(call)), query_offset=offset,
+        support=support,
+    )  # fmt: skip
+    log.debug("%s on device %d: %s kernel (%s)", call.op, ctx.device, choice.kernel.value, choice.reason)
+    return choice
+
+
 def _forward_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if fused_locally(call):
         return call.op(*args, **kwargs)
     b = _bind(call, args, kwargs)
     q, k, v, mask = b["query"], b["key"], b["value"], b.get("attn_mask")
     causal = bool(b.get("is_causal", False))
+    choice = local_choice(call, ctx, b)
+    if choice.fused:
+        return fused_forward(choice, q, k, v, mask, causal=causal, scale=b.get("scale"))
     plan = _plan(call, ctx, q.shape[-3] if q.ndim >= 3 else 1, causal)
     scale = _scale(b, q)
     q, k, v = (_to_heads(x, plan, seq=-2, head=-3) for x in (q, k, v))
@@ -374,6 +410,9 @@ def _backward_kernel(call: OpCall, ctx: LocalContext, args: tuple[Any, ...], kwa
     dout, q, k, v, out, lse = (b[n] for n in ("grad_out", "query", "key", "value", "out", "logsumexp"))
     mask = b.get("attn_mask")
     causal = bool(b.get("is_causal", False))
+    choice = local_choice(call, ctx, b)
+    if choice.fused:
+        return fused_backward(choice, dout, q, k, v, out, lse, mask, causal=causal, scale=b.get("scale"))
     plan = _plan(call, ctx, q.shape[-3] if q.ndim >= 3 else 1, causal)
     scale = _scale(b, q)
     q, k, v, out, dout = (_to_heads(x, plan, seq=-2, head=-3) for x in (q, k, v, out, dout))
