@@ -85,7 +85,9 @@ def _compile(
 ) -> tuple[torch.Tensor, InductorCapture]:
     gm = make_fx(fn)(*args)
     with InductorCapture() as cap:
-        compiled = _compat.inductor_compile(gm, list(args), decompositions=inductor_decompositions_for(gm, args))
+        compiled = _compat.inductor_compile(
+            gm, list(args), decompositions=inductor_decompositions_for(gm, args)
+        )
     out = compiled(*args)
     return (out[0] if isinstance(out, (list, tuple)) else out), cap
 
@@ -95,6 +97,13 @@ def test_the_decomposed_graph_calls_scaled_mm_not_the_op(fp8_gemm_on_cpu: None) 
     ops = _decomposed_ops(_fp8_block, args)
     assert ops is not None and "dtorch_quant.fp8_linear.default" not in ops
     assert {"aten.amax.default", "aten._scaled_mm.default"} <= ops
+    # only the ops the graph calls
+    assert set(inductor_decompositions_for(make_fx(_fp8_block)(*args), args) or {}) == {FP8_LINEAR}
+    q8, s8 = quantize_weight_int8(rand(16, 64))
+    int8_args = (args[0], q8, s8, None)
+    assert set(inductor_decompositions_for(make_fx(INT8_LINEAR)(*int8_args), int8_args) or {}) == {
+        INT8_LINEAR
+    }
     # a graph without a registered op: inductor's own table alone, as before
     assert inductor_decompositions_for(make_fx(lambda x: x * 2)(args[0]), args) is None
 

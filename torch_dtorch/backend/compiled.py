@@ -401,7 +401,10 @@ def _compile_in_thread(
     def run() -> None:
         try:
             box["fn"] = _compat.inductor_compile(
-                gm, args, static_input_idxs=static_inputs, decompositions=inductor_decompositions_for(gm, args)
+                gm,
+                args,
+                static_input_idxs=static_inputs,
+                decompositions=inductor_decompositions_for(gm, args),
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             box["error"] = e
