@@ -19,8 +19,17 @@ Signatures (one mesh axis), with the scales sharded with their weights:
   reaches ``P(sum)`` by a free local zero-fill). For fp8 each rank quantizes its slice of every row with its own
   scale: a finer quantization than the single-device one, not the same bits.
 
-The kernels are :class:`~torch_dtorch.ops.local_kernels.LocalKernel`s: compiled per worker on CUDA (the fp8
-activation quantization becomes one Triton kernel), the reference on CPU.
+Eagerly the kernels are :class:`~torch_dtorch.ops.local_kernels.LocalKernel`s: compiled per worker on CUDA (the
+fp8 activation quantization becomes one Triton kernel before the ``_scaled_mm``), the reference on CPU.
+
+Compiled (``torch.compile(backend="dtorch")`` with inductor on the workers), both ops are decomposed before inductor
+lowers a graph that calls them (:mod:`torch_dtorch.ops.decompositions`): fp8, where the kernel would run the fp8
+GEMM (CUDA, compute capability >= 8.9), into its row quantization (amax over the last dim, scale, clamp, cast to
+e4m3 — generated code fused with whatever produced ``x``: a layer norm, the adaLN modulation, a GELU) and one
+``aten._scaled_mm`` with the same arguments as the eager path; elsewhere it stays the opaque op (its float
+emulation). int8 into its reference on every device (inductor fuses the weight conversion and the scale / bias
+epilogue). Under inductor's fusion a bf16 ``x`` is quantized from its producer's float32 values rather than their
+bf16 rounding, as inductor treats any bf16 chain: the bits may differ from eager by one e4m3 step here and there.
 """
 
 from __future__ import annotations
