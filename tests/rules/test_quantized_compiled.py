@@ -185,3 +185,23 @@ def test_dtorch_compiled_int8_is_decomposed_and_equals_eager() -> None:
         got = compiled(dx, dq, ds, db).full_tensor()
     torch.testing.assert_close(got, f(x, q, s, b))
     assert cap.graphs and sum(g.ops["dtorch_quant.int8_linear.default"] for g in cap.graphs) == 0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="fp8 GEMM needs sm89+",
+)
+def test_cuda_inductor_fuses_the_row_quantization_with_its_producer() -> None:
+    """On a Hopper-class GPU, without the test switch: the row quantization is one generated kernel with the op
+    that produced x, the GEMM is ``_scaled_mm``, and the result is the eager op's within fp8 rounding (bf16 x: the
+    fused kernel quantizes unrounded values)."""
+    q, s = quantize_weight_fp8(torch.randn(256, 3072, device="cuda"))
+    x = torch.randn(4, 128, 3072, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    args = (x, q, s, b)
+    got, cap = _compile(_fp8_block, args)
+    (graph,) = cap.graphs
+    assert graph.ops[FP8_OP] == 0 and graph.ops[SCALED_MM] == 1
+    assert graph.counts.kernels <= 2, graph.code
+    want = _fp8_block(*args).float()
+    assert float((got.float() - want).norm() / want.norm()) < 0.02

@@ -193,7 +193,8 @@ FP8_LINEAR = torch.ops.dtorch_quant.fp8_linear.default
 # --- what inductor traces in their place (compiled programs) ------------------------------------------------------
 
 #: tests set this to make the compiled path decompose ``fp8_linear`` into the fp8 GEMM formula on any device (the
-#: CPU runs ``torch._scaled_mm`` too), so that the CPU suite checks what inductor lowers on a Hopper-class GPU
+#: CPU runs ``torch._scaled_mm`` too), so that the CPU suite checks what inductor lowers on a Hopper-class GPU (with
+#: inductor's caches off meanwhile: the same graph on the same device is otherwise compiled one way only)
 DECOMPOSE_FP8_ANYWHERE = False
 
 
