@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -256,8 +256,13 @@ def inductor_compile(
     *,
     mode: str | None = None,
     static_input_idxs: Sequence[int] | None = None,
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> Any:
     """Compile an aten-level FX graph with inductor; returns a callable taking the inputs positionally.
+
+    ``decompositions``: extra entries for inductor's decomposition table (``select_decomp_table()``, which
+    ``compile_fx`` uses when given none): what inductor traces in place of those ops (dtorch's registered ops, see
+    :mod:`torch_dtorch.ops.decompositions`), so that their arithmetic is lowered and fused with the graph's.
 
     ``static_input_idxs``: the inputs whose tensors stay the same from call to call (parameters, buffers), as
     dynamo tells inductor for a module's parameters. ``compile_fx`` called on a graph dynamo did not make treats
@@ -285,9 +290,18 @@ def inductor_compile(
                 kwargs["static_input_idxs"] = static
             return compile_fx_inner(gm, inputs, **kwargs)
 
+    table: dict[Any, Any] | None = None
+    if decompositions:
+        from torch._inductor.decomposition import select_decomp_table
+
+        table = {**select_decomp_table(), **decompositions}
     with torch.no_grad():
         return compile_fx(
-            gm, list(example_inputs), inner_compile=inner, config_patches=config_patches or None
+            gm,
+            list(example_inputs),
+            inner_compile=inner,
+            config_patches=config_patches or None,
+            decompositions=table,
         )
 
 

@@ -43,6 +43,7 @@ from torch_dtorch.device.tensors import DEVICE_NAME, TABLE
 from torch_dtorch.errors import DTorchError
 from torch_dtorch.graph import Operand
 from torch_dtorch.mesh import DeviceMesh
+from torch_dtorch.ops.decompositions import inductor_decompositions_for
 from torch_dtorch.placement import Replicate, placements_str
 
 __all__ = ["CompiledGraph"]
@@ -399,7 +400,12 @@ def _compile_in_thread(
 
     def run() -> None:
         try:
-            box["fn"] = _compat.inductor_compile(gm, args, static_input_idxs=static_inputs)
+            box["fn"] = _compat.inductor_compile(
+                gm,
+                args,
+                static_input_idxs=static_inputs,
+                decompositions=inductor_decompositions_for(gm, args),
+            )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             box["error"] = e
 

@@ -34,6 +34,7 @@ from torch_dtorch.backend.local import (
     build_local_program,
 )
 from torch_dtorch.executor.worker import Worker, register_instruction
+from torch_dtorch.ops.decompositions import inductor_decompositions_for
 from torch_dtorch.runtime import op_runner
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.sticky import StickyCall, call_hooks, kernel_error
@@ -170,7 +171,13 @@ def _compile_segment(
     # the segment's inputs that are static program inputs (a program input's slot is its index)
     static = [i for i, s in enumerate(seg.in_slots) if s in loaded.static]
     with _COMPILE_LOCK:
-        fn = _compat.inductor_compile(seg.gm, list(args), mode=mode, static_input_idxs=static)
+        fn = _compat.inductor_compile(
+            seg.gm,
+            list(args),
+            mode=mode,
+            static_input_idxs=static,
+            decompositions=inductor_decompositions_for(seg.gm, args),
+        )
     loaded.fns[index] = fn
     return fn
 

@@ -10,7 +10,9 @@ recompile limit. ``DTORCH_LOCAL_KERNEL_COMPILE=0`` runs the
 reference on CUDA too (for debugging, or where no Triton is installed).
 
 Compilation happens outside any trace: inside a compiled dtorch program the op is opaque (the worker's inductor
-sees a call to it) and the call lands here at run time.
+sees a call to it) and the call lands here at run time — unless its family registered a decomposition
+(:mod:`torch_dtorch.ops.decompositions`; the quantized linears do): then inductor lowers the op's arithmetic with
+the rest of the graph and this kernel is not called.
 """
 
 from __future__ import annotations

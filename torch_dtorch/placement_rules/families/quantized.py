@@ -19,17 +19,29 @@ Signatures (one mesh axis), with the scales sharded with their weights:
   reaches ``P(sum)`` by a free local zero-fill). For fp8 each rank quantizes its slice of every row with its own
   scale: a finer quantization than the single-device one, not the same bits.
 
-The kernels are :class:`~torch_dtorch.ops.local_kernels.LocalKernel`s: compiled per worker on CUDA (the fp8
-activation quantization becomes one Triton kernel), the reference on CPU.
+Eagerly the kernels are :class:`~torch_dtorch.ops.local_kernels.LocalKernel`s: compiled per worker on CUDA (the
+fp8 activation quantization becomes one Triton kernel before the ``_scaled_mm``), the reference on CPU.
+
+Compiled (``torch.compile(backend="dtorch")`` with inductor on the workers), both ops are decomposed before inductor
+lowers a graph that calls them (:mod:`torch_dtorch.ops.decompositions`): fp8, where the kernel would run the fp8
+GEMM (CUDA, compute capability >= 8.9), into its row quantization (amax over the last dim, scale, clamp, cast to
+e4m3 — generated code fused with whatever produced ``x``: a layer norm, the adaLN modulation, a GELU) and one
+``aten._scaled_mm`` with the same arguments as the eager path; elsewhere it stays the opaque op (its float
+emulation). int8 into its reference on every device (inductor fuses the weight conversion and the scale / bias
+epilogue). Under inductor's fusion a bf16 ``x`` is quantized from its producer's float32 values rather than their
+bf16 rounding, as inductor treats any bf16 chain: the bits may differ from eager by one e4m3 step here and there.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from torch_dtorch._compat import scaled_mm
 from torch_dtorch.errors import ShapeError
+from torch_dtorch.ops.decompositions import register_inductor_decomposition
 from torch_dtorch.ops.local_kernels import LocalKernel
 from torch_dtorch.placement import Partial, Replicate, Shard
 from torch_dtorch.placement_rules.call import OpCall
@@ -41,6 +53,7 @@ __all__ = [
     "INT8_LINEAR",
     "FP8_LINEAR",
     "fp8_linear_reference",
+    "fp8_linear_scaled_mm",
     "fp8_supported",
     "int8_linear_reference",
     "quantize_rows_fp8",
@@ -123,9 +136,16 @@ def fp8_linear_reference(
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _fp8_cuda(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+def fp8_linear_scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_rows_fp8,
 ) -> torch.Tensor:
+    """The fp8 GEMM path: ``x``'s rows quantized by ``quantize_rows``, then one ``torch._scaled_mm`` (bf16 output,
+    fast accumulation). Plain torch ops: eagerly the CUDA kernel (with the compiled row quantization), traced the
+    decomposition inductor lowers (see :func:`_fp8_decomposition`)."""
     n, k = weight.shape
     if k % 16 or n % 16:
         raise ShapeError(
@@ -133,7 +153,7 @@ def _fp8_cuda(
             "by 16 (with tensor parallelism: each shard's). Leave this layer unquantized (QuantizeConfig.skip)"
         )
     x2d = x.reshape(-1, k)
-    xq, xs = _quantize_rows(x2d.contiguous())
+    xq, xs = quantize_rows(x2d)
     y = scaled_mm(
         xq,
         weight.contiguous().t(),  # column-major, as the fp8 GEMM wants its second operand
@@ -146,13 +166,17 @@ def _fp8_cuda(
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def _quantize_rows_compiled(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_rows(x2d.contiguous())  # type: ignore[no-any-return]
+
+
 @torch.library.custom_op("dtorch_quant::fp8_linear", mutates_args=())
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """fp8 e4m3 linear with row-wise activation scales (see the module docstring)."""
     if x.device.type == "cuda" and fp8_supported(x.device):
-        return _fp8_cuda(x, weight, scale, bias)
+        return fp8_linear_scaled_mm(x, weight, scale, bias, _quantize_rows_compiled)
     return fp8_linear_reference(x, weight, scale, bias)
 
 
@@ -164,6 +188,33 @@ def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Te
 
 INT8_LINEAR = torch.ops.dtorch_quant.int8_linear.default
 FP8_LINEAR = torch.ops.dtorch_quant.fp8_linear.default
+
+
+# --- what inductor traces in their place (compiled programs) ------------------------------------------------------
+
+#: tests set this to make the compiled path decompose ``fp8_linear`` into the fp8 GEMM formula on any device (the
+#: CPU runs ``torch._scaled_mm`` too), so that the CPU suite checks what inductor lowers on a Hopper-class GPU (with
+#: inductor's caches off meanwhile: the same graph on the same device is otherwise compiled one way only)
+DECOMPOSE_FP8_ANYWHERE = False
+
+
+def _fp8_decomposes(device: torch.device) -> bool:
+    return DECOMPOSE_FP8_ANYWHERE or (device.type == "cuda" and fp8_supported(device))
+
+
+@register_inductor_decomposition([FP8_LINEAR], when=_fp8_decomposes)
+def _fp8_decomposition(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """On a device whose kernel takes the fp8 GEMM path, that path's arithmetic as aten ops: inductor fuses the row
+    quantization (amax, scale, clamp, cast) with whatever produced ``x`` and calls ``_scaled_mm``. Elsewhere the op
+    stays whole (its float emulation)."""
+    return fp8_linear_scaled_mm(x, weight, scale, bias)
+
+
+# the int8 kernel is its reference on every device (compiled per worker on CUDA): inductor fuses the weight's
+# conversion and the scale / bias epilogue with the graph instead
+register_inductor_decomposition([INT8_LINEAR])(int8_linear_reference)
 
 
 # --- the rule -----------------------------------------------------------------------------------------------------
