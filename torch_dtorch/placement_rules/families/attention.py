@@ -143,7 +143,9 @@ def _as_is(call: OpCall) -> bool:
         if q is None or pq is None:
             return False
         seq = q.ndim - 2
-        if any(mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % q.ndim == seq for a, p in enumerate(pq)):
+        if any(
+            mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % q.ndim == seq for a, p in enumerate(pq)
+        ):
             return False
     return every_shard_nonempty(call)
 
