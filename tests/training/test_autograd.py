@@ -40,6 +40,17 @@ def _ints(high: int, *shape: int) -> Callable[[], torch.Tensor]:
     return lambda: torch.randint(0, high, shape)
 
 
+def _bool_mask(*shape: int) -> Callable[[], torch.Tensor]:
+    """A random bool attention mask whose every row keeps its first key (no row fully masked)."""
+
+    def make() -> torch.Tensor:
+        m = torch.rand(*shape) > 0.4
+        m[..., 0] = True
+        return m
+
+    return make
+
+
 def _make(*makers: Callable[[], torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
     return lambda: [m() for m in makers]
 
@@ -129,6 +140,12 @@ CASES = [
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         _make(_randn(1, 2, 5, 4), _randn(1, 2, 5, 4), _randn(1, 2, 5, 4)),
         {(2,): [[S1], [S1], [S1]], (3,): [[R], [R], [R]]},
+    ),
+    Case(  # a bool mask: torch's fused CPU kernel takes only q's dtype, so the blockwise kernel runs it
+        "sdpa_bool_mask",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        _make(_randn(1, 2, 5, 4), _randn(1, 2, 5, 4), _randn(1, 2, 5, 4), _bool_mask(5, 5)),
+        {(1,): [[R], [R], [R], [R]], (2,): [[S1], [S1], [S1], [R]], (3,): [[S2], [R], [R], [S0]]},
     ),
     Case(
         "reductions",

@@ -281,14 +281,17 @@ def _bind(call: OpCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
 
 def fused_locally(call: OpCall) -> bool:
     """The call runs as torch's own fused CPU kernel (the op itself) on every rank's shards, which workers replay:
-    CPU workers, nothing context parallel, the query sequence whole on every rank (causal alignment is then the
-    kernel's own), no empty shard. Otherwise the kernels below decide per rank (:func:`local_choice`): torch's
+    CPU workers, nothing context parallel, no mask or one of q's dtype (a bool mask: the blockwise kernel), the query
+    sequence whole on every rank (causal alignment is then the kernel's own), no empty shard. Otherwise the kernels below decide per rank (:func:`local_choice`): torch's
     fused CUDA attention on CUDA (this aten pair has no CUDA kernel), else the blockwise float32 kernel."""
     mesh = call.mesh
     if mesh is None or mesh.device_type != "cpu" or cp_axes(call):
         return False
     q, pq = _operand(call, "q"), call.placements[_slots(call)["q"]]
     if q is None or pq is None:
+        return False
+    mask = _operand(call, "mask")
+    if mask is not None and mask.dtype != q.dtype:  # torch's CPU kernel takes only a mask of q's dtype
         return False
     seq = q.ndim - 2
     if any(mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % q.ndim == seq for a, p in enumerate(pq)):
