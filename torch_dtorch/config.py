@@ -11,6 +11,7 @@
 | ``DTORCH_WORKER_REPLAY`` | ``0``: workers run every fast-path hit on the general local path instead of replaying the op resolved on its first hit (``torch_dtorch/runtime/replay.py``; in the native loop ``runtime/_replay.cpp`` when it is built; for A/B measurements) | ``1`` |
 | ``DTORCH_BATCH_SIZE`` | eager executor: instructions per batch sent to the workers (a full batch is flushed at once) | ``64`` |
 | ``DTORCH_FLUSH_MS`` | eager executor: pending instructions are flushed after this many milliseconds without a new op | ``2`` |
+| ``DTORCH_SWITCH_INTERVAL_MS`` | thread mode: set the interpreter's GIL switch interval (``sys.setswitchinterval``) to this many milliseconds when worker threads start. A worker thread that needs the GIL while the controller's Python runs gets it only after the interval (Python's default 5 ms); a shorter one lets a worker's Python (its batch hand-off, an inductor program's kernel launches) run sooner, at a small cost to the controller. Process-wide; for measurements | unset (Python's 5 ms) |
 | ``DTORCH_MODE`` | where workers run: ``thread`` (threads of this process) or ``process`` (one process per device, cluster mode); ``init_device_mesh(mode=...)`` overrides it | ``thread`` |
 | ``DTORCH_WORKER_START_TIMEOUT_S`` | cluster mode: how long start-up waits for every worker to join and be ready | ``120`` |
 | ``DTORCH_CLUSTER_LISTEN`` | cluster mode: control endpoint workers join (``tcp://HOST:PORT`` admits remote ``dtorch worker`` processes) | private ``ipc://`` |
@@ -98,6 +99,11 @@ class Config:
     flush_ms: float = field(default_factory=lambda: _env_number("DTORCH_FLUSH_MS", 2.0, minimum=0.0))
     #: ``thread`` or ``process`` (``DTORCH_MODE``): the default of ``init_device_mesh(mode=None)``
     mode: str = field(default_factory=env_mode)
+    #: thread mode: the interpreter's GIL switch interval in ms set when worker threads start
+    #: (``DTORCH_SWITCH_INTERVAL_MS``; 0 or unset: Python's own, 5 ms)
+    switch_interval_ms: float = field(
+        default_factory=lambda: _env_number("DTORCH_SWITCH_INTERVAL_MS", 0.0, minimum=0.0)
+    )
 
 
 _CONFIG: Config | None = None

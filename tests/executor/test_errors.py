@@ -215,3 +215,26 @@ def test_fetch_of_freed_operand_is_an_error(make_executor: MakeExecutor) -> None
     z = ex.call(aten.neg.default, y)
     with pytest.raises(KernelError, match=r"input %\d+ has no data"):
         ex.fetch(z).get(timeout=30)
+
+
+def test_switch_interval_is_applied_by_thread_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DTORCH_SWITCH_INTERVAL_MS`` sets the GIL switch interval when thread workers start; a bad value is named."""
+    import sys
+
+    from torch_dtorch import config
+    from torch_dtorch.executor.thread_runner import ThreadRunner
+
+    before = sys.getswitchinterval()
+    monkeypatch.setenv("DTORCH_SWITCH_INTERVAL_MS", "0.25")
+    monkeypatch.setattr(config, "_CONFIG", None)
+    runner = ThreadRunner([0])
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.25e-3)
+    finally:
+        runner.shutdown()
+        sys.setswitchinterval(before)
+    monkeypatch.setenv("DTORCH_SWITCH_INTERVAL_MS", "fast")
+    monkeypatch.setattr(config, "_CONFIG", None)
+    with pytest.raises(ValueError, match="DTORCH_SWITCH_INTERVAL_MS='fast' is not a number"):
+        config.get_config()
+    monkeypatch.setattr(config, "_CONFIG", None)

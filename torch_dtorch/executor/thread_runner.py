@@ -54,6 +54,7 @@ class ThreadRunner:
             raise ValueError(f"ThreadRunner: device_type must be 'cpu' or 'cuda', got {device_type!r}")
         self.device_type = device_type
         self.simulate = simulate
+        _apply_switch_interval()
         self.torch_devices = {d: self._torch_device(d) for d in self.devices}
         self.world = InMemoryWorld(self.devices)
         self.store = MemoryTensorStore()
@@ -163,3 +164,16 @@ class _BatchRun:
 
     def __call__(self) -> None:
         self.worker.run_batch(self.batch)
+
+
+def _apply_switch_interval() -> None:
+    """``DTORCH_SWITCH_INTERVAL_MS`` (``Config.switch_interval_ms``): the GIL switch interval for this process."""
+    import sys
+
+    from torch_dtorch.config import get_config
+
+    ms = get_config().switch_interval_ms
+    if ms > 0 and abs(sys.getswitchinterval() - ms / 1e3) > 1e-9:
+        log.info("thread workers: GIL switch interval %.3f ms (DTORCH_SWITCH_INTERVAL_MS)", ms)
+        sys.setswitchinterval(ms / 1e3)
+
