@@ -176,4 +176,3 @@ def _apply_switch_interval() -> None:
     if ms > 0 and abs(sys.getswitchinterval() - ms / 1e3) > 1e-9:
         log.info("thread workers: GIL switch interval %.3f ms (DTORCH_SWITCH_INTERVAL_MS)", ms)
         sys.setswitchinterval(ms / 1e3)
-
