@@ -22,9 +22,9 @@ _BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 #: calls planned in full per tiny FLUX step (1 double + 1 single block) once the fast path is warm (issue 20: 0;
 #: it was 36 before ``cat``/``stack``, ``to``, and ``arange`` and its consumers took the fast path)
 PLANNED_PER_STEP = 0
-#: ops the workers still run on their general local path per step (thread mode): attention only (its kernel picks
-#: the local attention implementation); ``cat``/``stack``, ``to``, ``dropout`` and ``arange`` are replayed
-GENERAL_PER_STEP = {"aten.scaled_dot_product_attention": 2}
+#: ops the workers still run on their general local path per step (thread mode): none — ``cat``/``stack``, ``to``,
+#: ``dropout``, ``arange`` and (without context parallelism) ``scaled_dot_product_attention`` are replayed
+GENERAL_PER_STEP: dict[str, int] = {}
 
 
 def _bench_module(name: str) -> ModuleType:
