@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_dtorch.errors import ShapeError
+from torch_dtorch.ops.decompositions import register_inductor_decomposition
 from torch_dtorch.ops.local_kernels import LocalKernel
 from torch_dtorch.placement import Partial, Replicate, Shard
 from torch_dtorch.placement_rules.call import OpCall
@@ -139,6 +140,20 @@ ROTARY = torch.ops.dtorch_fused.rotary.default
 MODULATE = torch.ops.dtorch_fused.modulate.default
 SILU_LINEAR = torch.ops.dtorch_fused.silu_linear.default
 LINEAR_GELU = torch.ops.dtorch_fused.linear_gelu.default
+
+
+# --- what inductor traces in their place (compiled programs) ------------------------------------------------------
+
+# Each kernel is its reference: run as is on the CPU, compiled by inductor on CUDA. In a compiled program the
+# worker's inductor lowers that same reference with the rest of the graph instead of calling the op (one extern call
+# it cannot fuse into): the adaLN modulation fuses with the residual add that produced ``x`` and with whatever
+# consumes it (the fp8 row quantization of the next linear), rotary with q/k's norm, the linears' activations with
+# their GEMM. On every device: inductor's lowering of the reference is the CUDA kernel itself, fused further, and on
+# the CPU generated code in place of the reference's eager aten calls.
+register_inductor_decomposition([ROTARY])(rotary_reference)
+register_inductor_decomposition([MODULATE])(modulate_reference)
+register_inductor_decomposition([SILU_LINEAR])(silu_linear_reference)
+register_inductor_decomposition([LINEAR_GELU])(linear_gelu_reference)
 
 
 # --- the rules ----------------------------------------------------------------------------------------------------
