@@ -86,6 +86,7 @@ def test_inductor_workers_decompose_the_fused_ops(model: str, name: str, kernel_
     """``compile=True`` with ``worker_compiler="inductor"``: each worker's inductor lowers the fused ops'
     references with the rest of its graph (``torch_dtorch/ops/decompositions.py``) — no worker graph calls a
     ``dtorch_fused`` op and no fused kernel runs — and the image is the uncompiled fused run's."""
+    torch.compiler.reset()  # dynamo would reuse a transformer forward compiled by an earlier test: no lowering here
     mesh = dt.init_device_mesh("cpu", (2,), mesh_dim_names=(name,))
     eager = generate(parallelize_pipeline(tiny_pipeline(model), mesh, ExecuteConfig(fuse=FuseConfig())))
     assert kernel_calls["modulate"] > 0 and kernel_calls["linear_gelu"] > 0  # the ops are installed
