@@ -11,8 +11,8 @@ reference on CUDA too (for debugging, or where no Triton is installed).
 
 Compilation happens outside any trace: inside a compiled dtorch program the op is opaque (the worker's inductor
 sees a call to it) and the call lands here at run time — unless its family registered a decomposition
-(:mod:`torch_dtorch.ops.decompositions`; the quantized linears do): then inductor lowers the op's arithmetic with
-the rest of the graph and this kernel is not called.
+(:mod:`torch_dtorch.ops.decompositions`; the quantized linears and the fused ops do): then inductor lowers the
+op's arithmetic with the rest of the graph and this kernel is not called.
 """
 
 from __future__ import annotations

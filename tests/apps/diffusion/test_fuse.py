@@ -1,7 +1,7 @@
 """Fused operators in the pipelines (``ExecuteConfig(fuse=...)``): the fused ops really run on the workers, and the
 images equal the unfused ones (bit for bit on one device; to float sums on a mesh) with cp and tp layouts, eager and
-compiled; and every option together (cache + quantization + fusion) on a mesh equals the same options on one
-device."""
+compiled; compiled with inductor on the workers, the ops are decomposed into their references (no worker graph calls
+one); and every option together (cache + quantization + fusion) on a mesh equals the same options on one device."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch_dtorch.apps.diffusion.cache import cache_report, install_cache, sched
 from torch_dtorch.apps.diffusion.config import CacheConfig, FuseConfig, QuantizeConfig
 from torch_dtorch.apps.diffusion.fuse import fuse_transformer
 from torch_dtorch.apps.diffusion.quantize import quantize_transformer
+from torch_dtorch.backend.parity import InductorCapture
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement_rules.families import fused
 
@@ -78,6 +79,29 @@ def test_fuse_flags_select_the_ops(kernel_calls: Counter[str]) -> None:
     assert psnr(generate(pipe), reference("flux", 1)) >= 100.0
     assert kernel_calls["modulate"] > 0
     assert kernel_calls["rotary"] == kernel_calls["silu_linear"] == kernel_calls["linear_gelu"] == 0
+
+
+@pytest.mark.parametrize("model,name", [("flux", "cp"), pytest.param("sd3", "tp", marks=pytest.mark.slow)])
+def test_inductor_workers_decompose_the_fused_ops(model: str, name: str, kernel_calls: Counter[str]) -> None:
+    """``compile=True`` with ``worker_compiler="inductor"``: each worker's inductor lowers the fused ops'
+    references with the rest of its graph (``torch_dtorch/ops/decompositions.py``) — no worker graph calls a
+    ``dtorch_fused`` op and no fused kernel runs — and the image is the uncompiled fused run's."""
+    torch.compiler.reset()  # dynamo would reuse a transformer forward compiled by an earlier test: no lowering here
+    mesh = dt.init_device_mesh("cpu", (2,), mesh_dim_names=(name,))
+    eager = generate(parallelize_pipeline(tiny_pipeline(model), mesh, ExecuteConfig(fuse=FuseConfig())))
+    assert kernel_calls["modulate"] > 0 and kernel_calls["linear_gelu"] > 0  # the ops are installed
+    kernel_calls.clear()
+    config = ExecuteConfig(fuse=FuseConfig(), compile=True, worker_compiler="inductor")
+    pipe = parallelize_pipeline(tiny_pipeline(model), mesh, config)
+    with InductorCapture() as cap:
+        got = generate(pipe)
+    assert cap.graphs
+    for graph in cap.graphs:
+        called = [op for op in (*graph.ops, *graph.counts.fallback) if "dtorch_fused" in op]
+        assert not called, (graph.thread, called)
+    assert not kernel_calls, kernel_calls
+    assert psnr(got, eager) >= 100.0, psnr(got, eager)
+    assert psnr(got, reference(model, 1)) >= 100.0
 
 
 SIZES = TinySizes(num_layers=2, num_single_layers=2)

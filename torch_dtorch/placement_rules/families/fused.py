@@ -6,6 +6,19 @@ the exact op sequence diffusers runs unfused, so on the CPU the fused op gives t
 worker with inductor (one Triton kernel, or a GEMM with a fused epilogue) on CUDA. On dtorch tensors the op is one
 operator in the graph instead of the 5-15 it replaces, eagerly and inside ``torch.compile(backend="dtorch")``.
 
+Compiled with inductor on the workers (``worker_compiler="inductor"``), each op is decomposed into its reference
+before a worker's inductor lowers a graph that calls it (:mod:`torch_dtorch.ops.decompositions`), on every device:
+inductor then fuses the reference's arithmetic with the ops around it — the modulation with the residual add that
+produced ``x`` and with what consumes it (a pointwise op; under ``QuantizeConfig(kind="fp8")`` the next linear's
+row quantization, in one kernel), rotary with q/k's RMS norm, the activations with their GEMM's neighbours —
+instead of calling an extern op it cannot fuse into. On CUDA this is the per-worker kernel's own compilation (that
+kernel is inductor's lowering of the same reference), fused further; on the CPU it is generated code in place of
+the reference's eager aten calls. The compiled result equals the eager op's to float rounding (float32: the
+reductions' order). bf16: the eager CPU op (the reference run as is) rounds every intermediate to bf16 — e.g.
+``layer_norm(x)``, then ``* (1 + scale)``, then ``+ shift`` — while inductor computes a fused chain in float32 and
+rounds once, as the CUDA kernel already does: a few bf16 ulps (the tolerance of the CUDA kernel tests). Tested by
+``tests/rules/test_fused_compiled.py``.
+
 - ``dtorch_fused::rotary(x, cos, sin, sequence_dim) -> x'``: diffusers' ``apply_rotary_emb(x, (cos, sin),
   use_real=True, use_real_unbind_dim=-1, sequence_dim=...)`` on a 4-d ``x`` (``[B, S, H, D]`` for
   ``sequence_dim=1``, ``[B, H, S, D]`` for 2), ``cos``/``sin`` ``[S, D]``. Signatures: ``x S(batch)`` or
@@ -26,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_dtorch.errors import ShapeError
+from torch_dtorch.ops.decompositions import register_inductor_decomposition
 from torch_dtorch.ops.local_kernels import LocalKernel
 from torch_dtorch.placement import Partial, Replicate, Shard
 from torch_dtorch.placement_rules.call import OpCall
@@ -139,6 +153,16 @@ ROTARY = torch.ops.dtorch_fused.rotary.default
 MODULATE = torch.ops.dtorch_fused.modulate.default
 SILU_LINEAR = torch.ops.dtorch_fused.silu_linear.default
 LINEAR_GELU = torch.ops.dtorch_fused.linear_gelu.default
+
+
+# --- what inductor traces in their place (compiled programs) ------------------------------------------------------
+
+# Each kernel is its reference (run as is on the CPU, compiled by inductor on CUDA); in a compiled program the worker's
+# inductor lowers that reference with the rest of its graph instead (see the module docstring), on every device.
+register_inductor_decomposition([ROTARY])(rotary_reference)
+register_inductor_decomposition([MODULATE])(modulate_reference)
+register_inductor_decomposition([SILU_LINEAR])(silu_linear_reference)
+register_inductor_decomposition([LINEAR_GELU])(linear_gelu_reference)
 
 
 # --- the rules ----------------------------------------------------------------------------------------------------
