@@ -34,6 +34,8 @@ __all__ = [
     "factory_plan",
     "fallback_mesh",
     "host_value",
+    "move_eager",
+    "note_eager",
     "record_factory",
     "release_uploads",
     "watch",
@@ -109,6 +111,40 @@ def release_uploads(rt: Session, unbound: list[Operand], keep: list[Operand]) ->
         for y in deferred.bound.values():
             if not any(o.base is y or o is y for o in keep):
                 rt.executor.free(y)
+
+
+#: operand id -> callback, of the most recent factory results the fast path bound at once on the mesh their call's
+#: earlier results went to (:mod:`torch_dtorch.device.fastpath_factory`): an op that meets one next to inputs on
+#: another mesh moves it there (:func:`move_eager`), as binding a deferred factory would have
+_EAGER: dict[int, Callable[[], None]] = {}
+_MAX_EAGER = 1024
+
+
+def note_eager(x: Operand, on_moved: Callable[[], None]) -> None:
+    """``x`` was bound at once where a deferred factory would have been bound by its consumer; ``on_moved()`` is
+    called if a consumer on another mesh meets it."""
+    eager = _EAGER
+    if len(eager) >= _MAX_EAGER:
+        del eager[next(iter(eager))]
+    eager[x.id] = on_moved
+
+
+def move_eager(rt: Session, bound: list[Operand]) -> dict[int, Operand]:
+    """For an op whose bound inputs live on several meshes: the factory results among them that the fast path
+    bound at once (:func:`note_eager`) moved to the mesh of the other inputs (operand id -> the moved copy, which
+    the caller frees after the op); empty when that does not make one mesh (the full path raises its error)."""
+    eager = [x for x in bound if x.id in _EAGER]
+    others = [x for x in bound if x.id not in _EAGER]
+    if not eager or not others or len({x.mesh.root for x in others}) != 1:  # type: ignore[union-attr]
+        return {}
+    mesh = others[0].mesh
+    assert mesh is not None
+    moved: dict[int, Operand] = {}
+    for x in eager:
+        if x.mesh.root is not mesh.root:  # type: ignore[union-attr]
+            _EAGER.pop(x.id)()
+            moved[x.id] = rt.executor.redistribute(x, [Replicate()] * mesh.ndim, mesh)
+    return moved
 
 
 def fallback_mesh(rt: Session, what: str) -> DeviceMesh:

@@ -17,14 +17,13 @@ pipeline's stages) makes its key ambiguous: such calls stay deferred.
 **Values that change per call.** ``arange(past, past + 1)``, ``full(shape, value)`` and ``scalar_tensor(value)``
 are keyed by what their output metadata depends on only — ``arange``: the length, ``full``/``scalar_tensor``: the
 value's type — and the run carries the call's own values (:attr:`~torch_dtorch.executor.fast.FastPlan.varies`: the
-workers resolve such a plan per values, process mode's hit templates are keyed by them). A value is taken out of
-the key only where torch's conversion cannot fail (an out-of-range fill such as ``full((1,), 300,
-dtype=torch.uint8)`` raises in torch: those values stay in the key, so the full path raises for them).
+workers resolve such a plan per values, process mode's hit templates are keyed by them), so a fill value torch
+refuses (``full((2,), 300, dtype=torch.uint8)``) fails in the workers' kernel as on the full path; an ``arange``
+torch refuses (inconsistent step sign) keeps its values in the key and raises at once on the full path.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -41,8 +40,6 @@ __all__ = ["FactoryOp", "factory_fits"]
 _TEMPLATES_PER_OP = 1024
 #: |value| below this: int arithmetic in doubles is exact (``arange``'s length for a floating dtype)
 _EXACT = 1 << 50
-_INT64 = 1 << 63
-_FLOAT32_MAX = 3.4028234663852886e38
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 aten = torch.ops.aten
@@ -129,7 +126,14 @@ class FactoryOp:
         stats["hit"] += 1
         if mesh is not None:
             rt.last_mesh = mesh  # (as the full path: a deferred factory leaves it alone)
+        else:  # bound where the call's earlier results went: a consumer elsewhere moves it (and unlearns this)
+            binding.note_eager(outs[0], lambda: self._unlearn(full_key))
         return TABLE.wrap(outs[0], rt.generation, dispatch._free_callback(rt), tpl.layout)
+
+    def _unlearn(self, key: tuple[Any, ...]) -> None:
+        """A result bound at once under ``key`` met a consumer on another mesh: such calls stay deferred."""
+        self.ambiguous.add(key)
+        self.cache.pop(key, None)
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, tuple[Any, ...]] | None:
         """``(varies, key)``: the call's key, with the values a plan does not depend on taken out (``varies``);
@@ -145,7 +149,7 @@ class FactoryOp:
             if length is not None:
                 varies, extra, args = True, ("arange", length), ()
         elif vpos >= 0 and len(args) > vpos:
-            tag = _value_tag(args[vpos], dtype)
+            tag = _value_tag(args[vpos])
             if tag is not None:
                 varies, extra = True, tag
                 args = args[:vpos] + args[vpos + 1 :]
@@ -196,8 +200,7 @@ class FactoryOp:
                 if first:
                     self._learn(args, kwargs, key, bound_mesh, True, varies)
                 else:
-                    self.ambiguous.add(key)
-                    self.cache.pop(key, None)
+                    self._unlearn(key)
 
             binding.watch(x, on_bind)
         return out
@@ -245,21 +248,9 @@ def _arange_length(args: tuple[Any, ...], dtype: Any) -> int | None:
     return -((start - end) // step)  # ceil((end - start) / step), exact
 
 
-def _value_tag(v: Any, dtype: Any) -> Any:
-    """The key's stand-in of a fill value whose conversion to the output dtype cannot fail (its type: the inferred
-    dtype follows it); ``None``: the value stays in the key."""
+def _value_tag(v: Any) -> Any:
+    """The key's stand-in of a fill value: its type (a plain bool, int or float; the inferred dtype follows it);
+    ``None``: the value stays in the key. The workers fill with the call's own value, so a value torch refuses
+    (``full((2,), 300, dtype=torch.uint8)``) fails there as on the full path."""
     t = type(v)
-    if t is bool:
-        return ("value", bool)
-    if t is int:
-        if dtype is None or dtype is torch.int64:
-            return ("value", int) if -_INT64 <= v < _INT64 else None
-        return ("value", int) if dtype in _FLOATS else None
-    if t is float:
-        if dtype is None or dtype in _FLOATS:
-            target = torch.get_default_dtype() if dtype is None else dtype
-            if target is torch.float32 and math.isfinite(v) and abs(v) > _FLOAT32_MAX:
-                return None  # torch raises (overflow)
-            return ("value", float)
-        return None
-    return None
+    return ("value", t) if t is bool or t is int or t is float else None
