@@ -29,7 +29,9 @@ def _misses() -> int:
     return fastpath.stats["miss"]
 
 
-def _check(mesh: dt.DeviceMesh, make: Callable[..., torch.Tensor], values: list[Any], *, scoped: bool) -> None:
+def _check(
+    mesh: dt.DeviceMesh, make: Callable[..., torch.Tensor], values: list[Any], *, scoped: bool
+) -> None:
     """``make(v, device)`` for every ``v`` equals torch's; after the first, none misses. Each result is used by an
     op next to a distributed tensor (an unbound one binds there) and fetched."""
     x = dt.distribute_tensor(torch.zeros(2), mesh, [Shard(0)])
@@ -67,9 +69,19 @@ def test_arange_moving_window(mesh: dt.DeviceMesh, scoped: bool) -> None:
 @pytest.mark.parametrize("scoped", [True, False], ids=["with_mesh", "no_mesh"])
 def test_full_changing_value(mesh: dt.DeviceMesh, scoped: bool) -> None:
     _check(mesh, lambda v, d: torch.full((2, 3), v, device=d), [1.5, -0.0, 2.5, math.inf, 7.0], scoped=scoped)
-    _check(mesh, lambda v, d: torch.full((1,), v, dtype=torch.bool, device=d), [False, True, False], scoped=scoped)
+    _check(
+        mesh,
+        lambda v, d: torch.full((1,), v, dtype=torch.bool, device=d),
+        [False, True, False],
+        scoped=scoped,
+    )
     _check(mesh, lambda v, d: torch.full((3,), v, device=d), [1, -5, 2**62, 0], scoped=scoped)
-    _check(mesh, lambda v, d: torch.full((2,), v, dtype=torch.float16, device=d), [1, 3, 65504, -7], scoped=scoped)
+    _check(
+        mesh,
+        lambda v, d: torch.full((2,), v, dtype=torch.float16, device=d),
+        [1, 3, 65504, -7],
+        scoped=scoped,
+    )
     nan = torch.full((2,), math.nan)
     x = dt.distribute_tensor(torch.zeros(2), mesh, [Replicate()])
     for v in (1.0, 2.0, math.nan):  # (NaN != NaN: checked by its bits)

@@ -257,7 +257,9 @@ def _across_meshes(
     operands = [swap(x) for x in operands]
     out: Any = None
     try:
-        out = _dispatch_on(rt, op, args, kwargs, operands, [x for x in operands if x.mesh is not None], original)
+        out = _dispatch_on(
+            rt, op, args, kwargs, operands, [x for x in operands if x.mesh is not None], original
+        )
         return out
     finally:
         outs = [TABLE.lookup(t, rt.generation) for t in pytree.tree_leaves(out) if is_dtorch(t)]

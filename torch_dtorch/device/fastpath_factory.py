@@ -62,7 +62,12 @@ def factory_fits(op: Any) -> bool:
     schema = getattr(op, "_schema", None)
     if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
         return False
-    if schema is None or schema.is_mutable or len(schema.returns) != 1 or str(schema.returns[0].type) != "Tensor":
+    if (
+        schema is None
+        or schema.is_mutable
+        or len(schema.returns) != 1
+        or str(schema.returns[0].type) != "Tensor"
+    ):
         return False
     for a in schema.arguments:
         t = str(a.type)

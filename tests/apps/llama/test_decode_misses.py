@@ -31,7 +31,9 @@ class _Marks(transformers.LogitsProcessor):  # type: ignore[misc,name-defined]
         return scores
 
 
-def _generate(model: Any, ids: torch.Tensor, *, on_dtorch: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def _generate(
+    model: Any, ids: torch.Tensor, *, on_dtorch: bool
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     marks = _Marks()
     to = (lambda t: t.to("dtorch")) if on_dtorch else (lambda t: t)
     out = model.generate(
