@@ -9,6 +9,7 @@ unbound bind to the innermost ``with mesh:``, else to the mesh of the most recen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +31,14 @@ __all__ = [
     "bind",
     "defer_factory",
     "defer_upload",
+    "factory_plan",
     "fallback_mesh",
     "host_value",
+    "move_eager",
+    "note_eager",
     "record_factory",
     "release_uploads",
+    "watch",
 ]
 
 
@@ -49,6 +54,8 @@ class Deferred:
     kwargs: dict[str, Any] = field(default_factory=dict)
     value: torch.Tensor | None = None
     bound: dict[DeviceMesh, Operand] = field(default_factory=dict)
+    #: called when the factory is bound on a mesh (``first``: its first binding); see :func:`watch`
+    on_bind: Callable[[DeviceMesh, bool], None] | None = None
 
 
 _DEFERRED: dict[int, Deferred] = {}
@@ -81,6 +88,14 @@ def host_value(x: Operand) -> torch.Tensor | None:
     return deferred.op(*deferred.args, **{**deferred.kwargs, "device": torch.device("cpu")})
 
 
+def watch(x: Operand, on_bind: Callable[[DeviceMesh, bool], None]) -> None:
+    """Call ``on_bind(mesh, first)`` whenever the deferred factory ``x`` is bound on a mesh (the eager fast path of
+    factories learns where a call's result goes: :mod:`torch_dtorch.device.fastpath_factory`)."""
+    deferred = _DEFERRED.get(x.id)
+    if deferred is not None and deferred.kind == "factory":
+        deferred.on_bind = on_bind
+
+
 def forget(operand: Operand) -> None:
     _DEFERRED.pop(operand.id, None)
 
@@ -96,6 +111,40 @@ def release_uploads(rt: Session, unbound: list[Operand], keep: list[Operand]) ->
         for y in deferred.bound.values():
             if not any(o.base is y or o is y for o in keep):
                 rt.executor.free(y)
+
+
+#: operand id -> callback, of the most recent factory results the fast path bound at once on the mesh their call's
+#: earlier results went to (:mod:`torch_dtorch.device.fastpath_factory`): an op that meets one next to inputs on
+#: another mesh moves it there (:func:`move_eager`), as binding a deferred factory would have
+_EAGER: dict[int, Callable[[], None]] = {}
+_MAX_EAGER = 1024
+
+
+def note_eager(x: Operand, on_moved: Callable[[], None]) -> None:
+    """``x`` was bound at once where a deferred factory would have been bound by its consumer; ``on_moved()`` is
+    called if a consumer on another mesh meets it."""
+    eager = _EAGER
+    if len(eager) >= _MAX_EAGER:
+        del eager[next(iter(eager))]
+    eager[x.id] = on_moved
+
+
+def move_eager(rt: Session, bound: list[Operand]) -> dict[int, Operand]:
+    """For an op whose bound inputs live on several meshes: the factory results among them that the fast path
+    bound at once (:func:`note_eager`) moved to the mesh of the other inputs (operand id -> the moved copy, which
+    the caller frees after the op); empty when that does not make one mesh (the full path raises its error)."""
+    eager = [x for x in bound if x.id in _EAGER]
+    others = [x for x in bound if x.id not in _EAGER]
+    if not eager or not others or len({x.mesh.root for x in others}) != 1:  # type: ignore[union-attr]
+        return {}
+    mesh = others[0].mesh
+    assert mesh is not None
+    moved: dict[int, Operand] = {}
+    for x in eager:
+        if x.mesh.root is not mesh.root:  # type: ignore[union-attr]
+            _EAGER.pop(x.id)()
+            moved[x.id] = rt.executor.redistribute(x, [Replicate()] * mesh.ndim, mesh)
+    return moved
 
 
 def fallback_mesh(rt: Session, what: str) -> DeviceMesh:
@@ -122,6 +171,8 @@ def bind(rt: Session, x: Operand, mesh: DeviceMesh) -> Operand:
     placements = [Replicate()] * mesh.ndim
     if deferred.kind == "factory":
         out = record_factory(ex, deferred.op, deferred.args, deferred.kwargs, mesh, placements=placements)
+        if deferred.on_bind is not None:
+            deferred.on_bind(mesh, not deferred.bound)
     else:
         assert deferred.value is not None
         out = ex.constructor.input(tuple(x.shape), mesh, placements, dtype=x.dtype)
@@ -136,6 +187,28 @@ _FACTORY_PLANS: dict[tuple[Any, ...], FastPlan] = {}
 _MAX_FACTORY_PLANS = 4096
 
 
+def _factory_key(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMesh, placements: Any
+) -> tuple[Any, ...]:
+    """The key of :data:`_FACTORY_PLANS` (``TypeError``: an unhashable constant)."""
+    pl = None if placements is None else tuple(placements)
+    key = (op, const_key(args), const_key(kwargs), mesh, pl)
+    hash(key)
+    return key
+
+
+def factory_plan(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMesh, *, replicate: bool
+) -> FastPlan | None:
+    """The plan :func:`record_factory` keeps for ``op(*args, **kwargs)`` on ``mesh`` (``replicate``: in Replicate,
+    as a deferred factory binds; else in the rule's placements); ``None``: none."""
+    placements = [Replicate()] * mesh.ndim if replicate else None
+    try:
+        return _FACTORY_PLANS.get(_factory_key(op, args, kwargs, mesh, placements))
+    except TypeError:
+        return None
+
+
 def record_factory(
     ex: Any,
     op: Any,
@@ -148,8 +221,7 @@ def record_factory(
     """``op(*args, **kwargs)`` (a factory: no tensor inputs) recorded on ``mesh`` in ``placements`` (default: the
     rule's, Replicate): planned once per op, constants, mesh and placements, then replayed like a fast-path hit."""
     try:
-        pl = None if placements is None else tuple(placements)
-        key: tuple[Any, ...] | None = (op, const_key(args), const_key(kwargs), mesh, pl)
+        key: tuple[Any, ...] | None = _factory_key(op, args, kwargs, mesh, placements)
         plan = _FACTORY_PLANS.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable constant
         key, plan = None, None

@@ -160,8 +160,23 @@ def _dispatch(
     original: tuple[tuple[Any, ...], dict[str, Any]],
 ) -> Any:
     """:func:`dispatch_op` after the tensors became ``operands`` (``original``: the caller's args and kwargs)."""
-    original_args, original_kwargs = original
     bound = [x for x in operands if x.mesh is not None]
+    if len(bound) > 1 and len({x.mesh.root for x in bound}) > 1:  # type: ignore[union-attr]
+        return _across_meshes(rt, op, args, kwargs, operands, bound, original)
+    return _dispatch_on(rt, op, args, kwargs, operands, bound, original)
+
+
+def _dispatch_on(
+    rt: Session,
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    operands: list[Operand],
+    bound: list[Operand],
+    original: tuple[tuple[Any, ...], dict[str, Any]],
+) -> Any:
+    """:func:`_dispatch` once the inputs' meshes are settled (``bound``: the bound operands)."""
+    original_args, original_kwargs = original
     if bound:
         mesh = bound[0].mesh
     elif not operands:
@@ -215,6 +230,42 @@ def _dispatch(
         return target
     view = rule.view_of is not None and not getattr(original_args[0], "is_inference", lambda: True)()
     return map_only(Operand, lambda o: wrap(rt, o, view=view), out)
+
+
+def _across_meshes(
+    rt: Session,
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    operands: list[Operand],
+    bound: list[Operand],
+    original: tuple[tuple[Any, ...], dict[str, Any]],
+) -> Any:
+    """An op whose inputs live on several meshes: factory results the fast path bound at once where they would not
+    have gone (:func:`binding.move_eager`) move to the other inputs' mesh first, and the copies are freed after the
+    op; anything else is the rule's error (an in-place op's written input is never moved)."""
+    rule = get_rule(op)
+    in_place = rule.output_is_input is not None or rule.writes_inputs
+    moved = {} if in_place else binding.move_eager(rt, bound)
+    if not moved:
+        return _dispatch_on(rt, op, args, kwargs, operands, bound, original)
+
+    def swap(x: Operand) -> Operand:
+        return moved.get(x.id, x)
+
+    args, kwargs = map_only(Operand, swap, (args, kwargs))
+    operands = [swap(x) for x in operands]
+    out: Any = None
+    try:
+        out = _dispatch_on(
+            rt, op, args, kwargs, operands, [x for x in operands if x.mesh is not None], original
+        )
+        return out
+    finally:
+        outs = [TABLE.lookup(t, rt.generation) for t in pytree.tree_leaves(out) if is_dtorch(t)]
+        for y in moved.values():
+            if not any(o.base is y or o is y for o in outs):
+                rt.executor.free(y)
 
 
 _COMPOSITE_EXPLICIT = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)

@@ -21,6 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from torch_dtorch.device import binding, dispatch, fastpath_grow, state
+from torch_dtorch.device.fastpath_factory import FactoryOp, factory_fits
 from torch_dtorch.device.fastpath_keys import (
     MISS,
     SCALAR,
@@ -390,7 +391,7 @@ class FastOp:
         return out
 
 
-_FAST: dict[Any, FastOp | FastListOp | None] = {}
+_FAST: dict[Any, FastOp | FastListOp | FactoryOp | None] = {}
 
 
 def _in_place_ok(schema: Any, written: int | None, rule: Any, nrets: int) -> bool:
@@ -419,17 +420,20 @@ def _rule_changed(op: Any) -> None:
 add_rule_listener(_rule_changed)
 
 
-def fast_op(op: Any) -> FastOp | FastListOp | None:
-    """The :class:`FastOp` of ``op`` (a :class:`~.fastpath_lists.FastListOp` for in-place list ops), or ``None``
+def fast_op(op: Any) -> FastOp | FastListOp | FactoryOp | None:
+    """The :class:`FastOp` of ``op`` (a :class:`~.fastpath_lists.FastListOp` for in-place list ops, a
+    :class:`~.fastpath_factory.FactoryOp` for factories), or ``None``
     when ``op`` always takes the full path (random ops, other in-place ops than those that write their one pinned
     positional ``self`` or their first list, ops with several tensor-list arguments that write none, outputs of
     unknown structure)."""
     if op in _FAST:
         return _FAST[op]
-    fast: FastOp | FastListOp | None = None
+    fast: FastOp | FastListOp | FactoryOp | None = None
     schema = getattr(op, "_schema", None)
     if schema is not None and op not in dispatch.RANDOM_OPS and list_op_fits(op):
         fast = FastListOp(op)  # in-place list ops (``_foreach_*_``): fastpath_lists.py
+    elif schema is not None and op not in dispatch.RANDOM_OPS and factory_fits(op):
+        fast = FactoryOp(op)  # no tensor argument (``arange``, ``full``): fastpath_factory.py
     elif schema is not None and op not in dispatch.RANDOM_OPS:
         rule = get_rule(op)
         specs = tensor_slot_specs(op)

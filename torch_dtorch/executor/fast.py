@@ -23,8 +23,9 @@ from torch_dtorch.graph.operand import ViewInfo
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements
 from torch_dtorch.placement_rules import OpCall, OpRule
+from torch_dtorch.placement_rules.plan_keys import const_key
 
-__all__ = ["FastPlan", "replay_moves"]
+__all__ = ["FastPlan", "replay_key", "replay_moves"]
 
 
 def replay_moves(
@@ -67,6 +68,21 @@ def replay_moves(
     return out, tuple(largs), inputs
 
 
+def replay_key(run: FastRun) -> Any:
+    """What a worker keys the resolved local call of ``run`` by: its plan, or for a plan whose runs carry their own
+    constants (:attr:`FastPlan.varies`) the plan and those constants; ``None``: unhashable constants (the general
+    path runs it)."""
+    plan = run.plan
+    if not plan.varies:
+        return plan
+    try:
+        key = (plan, const_key(run.args))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 class FastPlan:
     """One op's cached plan (see the module docstring).
 
@@ -99,6 +115,7 @@ class FastPlan:
         "written",
         "args_of",
         "mem",
+        "varies",
     )
 
     def __init__(
@@ -137,6 +154,9 @@ class FastPlan:
         #: what one hit allocates per memory pool (a ``memory_check.HitBytes``), worked out by the memory guard at
         #: the first hit it sees
         self.mem: Any = None
+        #: the runs carry constants this plan does not fix (a factory's values: ``arange(past, past + 1)``,
+        #: ``full(shape, value)``), so a worker resolves it per constants (:func:`replay_key`); set by the fast path
+        self.varies = False
         self.view_of = rule.view_of
         self.view = ViewInfo(call.op, non_tensor_args(call)) if rule.view_of is not None else None
         #: recorded as one FastRun per call; otherwise through GraphConstructor.call_planned

@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 
 from torch_dtorch.config import get_config
+from torch_dtorch.executor.fast import replay_key
 from torch_dtorch.executor.instructions import (
     Barrier,
     FastRun,
@@ -169,7 +170,7 @@ class Worker:
                 if t is FastRun:
                     run = cast(FastRun, instr)
                     plan = run.plan
-                    local_call = resolved.get(plan)
+                    local_call = resolved.get(plan if not plan.varies else replay_key(run))
                     if (
                         local_call is not None
                         and local_call is not _UNRESOLVED
@@ -302,8 +303,11 @@ class Worker:
         plan = run.plan
         if plan.nmoves:
             return False
+        key = replay_key(run)
+        if key is None:
+            return False
         return self._replay_call(
-            plan,
+            key,
             plan.rule,
             plan.op,
             lambda: plan.call(run.args if run.args is not None else plan.args_of(run.inputs), run.inputs),
