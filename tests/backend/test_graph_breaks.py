@@ -187,6 +187,26 @@ def test_plain_inputs_with_symbolic_sizes() -> None:
         assert torch.equal(compiled(x), fn(x))
 
 
+def test_dtorch_inputs_with_symbolic_sizes_run_eagerly_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A graph with symbolic sizes (``dynamic=True``; HF ``generate``'s decode steps with a growing KV cache, which
+    dynamo marks dynamic by itself) has no shipped program: its ops run one by one on dtorch tensors. Results equal
+    torch, and the fallback is logged once, with its reason and the fix."""
+    mesh = dt.init_device_mesh("cpu", (2,))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * x.shape[0]
+
+    compiled = torch.compile(fn, backend="dtorch", dynamic=True)
+    with caplog.at_level(logging.WARNING, logger="torch_dtorch.backend.compiled"):
+        for n in (4, 5, 6, 7):
+            x = torch.randn(n, 3)
+            got = compiled(dt.distribute_tensor(x, mesh, [Shard(0)]))
+            torch.testing.assert_close(got.full_tensor(), fn(x))
+    said = [r.getMessage() for r in caplog.records if "runs its ops eagerly" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "symbolic (dynamic) shapes; pass dynamic=False" in said[0]
+
+
 def test_hide_from_dynamo_skips_frames_and_their_callees() -> None:
     """A hidden module's functions, and what they call, run untraced where dynamo's frame hook meets them."""
     mod = types.ModuleType("dtorch_hidden_probe")

@@ -137,6 +137,7 @@ class CompiledGraph:
         results = gm.graph.output_node().args[0]
         self.num_outputs = len(results) if isinstance(results, (list, tuple)) else 1
         self.eager_reason: str | None = None
+        self._told_eager = False  # the eager fallback is logged once per graph
         if any(not isinstance(s, int) for x in tensors for s in x.shape):
             self.eager_reason = "symbolic (dynamic) shapes; pass dynamic=False to torch.compile"
         self._variants: dict[Any, _Variant] = {}
@@ -185,6 +186,14 @@ class CompiledGraph:
         if self.plain:
             return self._call_plain(args)
         if self.eager_reason is not None:
+            if not self._told_eager:
+                self._told_eager = True
+                log.warning(
+                    "%s: this compiled graph runs its ops eagerly on dtorch tensors (one fast-path op at a time, no "
+                    "shipped program): %s",
+                    self.backend,
+                    self.eager_reason,
+                )
             return list(self.gm(*args))
         rt = get_session()
         operands = self._operands(rt, args)
@@ -272,6 +281,7 @@ class CompiledGraph:
             except UnsupportedGraphError as e:
                 log.warning("%s: running this graph eagerly on dtorch tensors: %s", self.backend, e)
                 self.eager_reason = str(e)
+                self._told_eager = True
                 report.error = str(e)
                 self._publish(report)
                 return None
@@ -286,6 +296,7 @@ class CompiledGraph:
             self._publish(report)
             if self.debug:
                 self.eager_reason = "dtorch_debug backend (graphs shown, run eagerly)"
+                self._told_eager = True
                 return None
             ex = rt.executor
             constants: list[torch.Tensor] = []
