@@ -157,6 +157,7 @@ def from_local(
         )
     operand = rt.executor.input(gshape, mesh, pl, dtype=first.dtype)
     rt.executor.upload_shards(operand, {d: t.detach() for d, t in locals_.items()})
+    rt.last_mesh = mesh  # as after an op (see transfer.upload)
     return wrap(rt, operand)
 
 

@@ -137,3 +137,36 @@ def test_factory_follows_its_consumer_mesh() -> None:
         (xa + 1).sum()
         r = torch.full((4,), float(i), device=xa.device)
         assert dt.to_torch(xa + r).cpu().tolist() == [1.0 + i] * 4
+
+
+def test_a_factory_bound_on_another_mesh_moves_again_in_the_backward() -> None:
+    """A factory the fast path bound at once on the last op's mesh, then consumed next to a tensor of another mesh,
+    is moved there — and autograd saved the factory result itself for the backward, which meets it again: it moves
+    again (it used to raise "inputs live on different device meshes" there)."""
+    a = init_mesh((2,))
+    b = init_mesh((4,))
+    xa = dt.distribute_tensor(torch.ones(4), a, [Shard(0)])
+    xb = dt.distribute_tensor(torch.arange(4.0), b, [Shard(0)]).requires_grad_()
+    for i in range(3):  # consumed on ``a`` after an op on ``a``: learned there, then bound there at once
+        (xa + 1).sum()
+        assert dt.to_torch(xa * torch.full((), 2.0, device=xa.device)).cpu().tolist() == [2.0] * 4
+    for i in range(3):
+        (xa + 1).sum()  # the last op ran on ``a`` again: the factory is bound on ``a`` at once
+        z = torch.full((), float(i + 1), device=xa.device)
+        y = xb * z  # consumed on ``b``: moved for the op; autograd saves ``z`` itself
+        y.sum().backward()
+        assert dt.to_torch(y).cpu().tolist() == [float(k * (i + 1)) for k in range(4)]
+        assert dt.to_torch(xb.grad).cpu().tolist() == [float(i + 1)] * 4
+        xb.grad = None
+
+
+def test_an_upload_is_the_mesh_a_factory_binds_to() -> None:
+    """``dt.distribute_tensor`` makes its mesh the one a mesh-less factory made next is bound to, as an op does:
+    a script that moves to a new mesh does not bind its first factories on the old one."""
+    from torch_dtorch.device.state import get_session
+
+    a = init_mesh((2,))
+    b = init_mesh((3,))
+    (dt.distribute_tensor(torch.ones(4), a, [Shard(0)]) + 1).sum()
+    dt.distribute_tensor(torch.ones(3), b, [Shard(0)])
+    assert get_session().last_mesh is b

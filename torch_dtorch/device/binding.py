@@ -120,6 +120,10 @@ _EAGER: dict[int, Callable[[], None]] = {}
 _MAX_EAGER = 1024
 
 
+def _MOVED() -> None:
+    """The callback of an :data:`_EAGER` entry that was moved once already (its key was told then)."""
+
+
 def note_eager(x: Operand, on_moved: Callable[[], None]) -> None:
     """``x`` was bound at once where a deferred factory would have been bound by its consumer; ``on_moved()`` is
     called if a consumer on another mesh meets it."""
@@ -142,7 +146,11 @@ def move_eager(rt: Session, bound: list[Operand]) -> dict[int, Operand]:
     moved: dict[int, Operand] = {}
     for x in eager:
         if x.mesh.root is not mesh.root:  # type: ignore[union-attr]
-            _EAGER.pop(x.id)()
+            # the entry stays: autograd may have saved ``x`` itself for the backward, which meets it again
+            on_moved = _EAGER[x.id]
+            if on_moved is not _MOVED:
+                _EAGER[x.id] = _MOVED
+                on_moved()
             moved[x.id] = rt.executor.redistribute(x, [Replicate()] * mesh.ndim, mesh)
     return moved
 

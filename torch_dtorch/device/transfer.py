@@ -28,6 +28,7 @@ def upload(
     value = tensor.detach()
     operand = rt.executor.input(tuple(value.shape), mesh, pl, dtype=value.dtype)
     rt.executor.upload(operand, value)
+    rt.last_mesh = mesh  # the mesh a factory made next (no mesh in sight) is bound to, as after an op
     out = wrap(rt, operand)
     if tensor.requires_grad:
         out.requires_grad_(True)
