@@ -147,7 +147,7 @@ def test_a_factory_bound_on_another_mesh_moves_again_in_the_backward() -> None:
     b = init_mesh((4,))
     xa = dt.distribute_tensor(torch.ones(4), a, [Shard(0)])
     xb = dt.distribute_tensor(torch.arange(4.0), b, [Shard(0)]).requires_grad_()
-    for i in range(3):  # consumed on ``a`` after an op on ``a``: learned there, then bound there at once
+    for _ in range(3):  # consumed on ``a`` after an op on ``a``: learned there, then bound there at once
         (xa + 1).sum()
         assert dt.to_torch(xa * torch.full((), 2.0, device=xa.device)).cpu().tolist() == [2.0] * 4
     for i in range(3):
