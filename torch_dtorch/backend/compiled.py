@@ -147,13 +147,16 @@ class CompiledGraph:
         self.num_outputs = len(results) if isinstance(results, (list, tuple)) else 1
         self.eager_reason: str | None = None
         self._told_eager = False  # the eager fallback is logged once per graph
+        self.eager_calls = 0  # calls that ran the graph's ops eagerly on dtorch tensors (no shipped program)
         #: symbolic sizes (dynamic=True): the SymInt inputs, and one graph program per input layout where sound
         #: (:mod:`~torch_dtorch.backend.symbolic`)
         self._sizes = frozenset(sym_positions(fake_inputs))
         self.symbolic = bool(self._sizes) or any(not isinstance(s, int) for x in tensors for s in x.shape)
         self._sym_variants: dict[Any, SymbolicVariant] = {}
         if self.symbolic and (records is not None or grad_targets is not None):
-            self.eager_reason = "symbolic (dynamic) shapes in a training graph; pass dynamic=False to torch.compile"
+            self.eager_reason = (
+                "symbolic (dynamic) shapes in a training graph; pass dynamic=False to torch.compile"
+            )
         self._variants: dict[Any, _Variant] = {}
         #: (generation, layout id of each input) -> variant: the per-call lookup
         self._fast: dict[tuple[int, ...], _Variant] = {}
@@ -212,6 +215,7 @@ class CompiledGraph:
                     self.backend,
                     self.eager_reason,
                 )
+            self.eager_calls += 1
             return list(self.gm(*args))
         rt = get_session()
         operands = self._operands(rt, args)
@@ -221,6 +225,7 @@ class CompiledGraph:
         if variant is None:
             variant = self._compile(rt, key, operands, targets)
             if variant is None:
+                self.eager_calls += 1
                 return list(self.gm(*args))
         hot = fast_key(rt.generation, args)
         if hot is not None:  # later calls with these layouts take the hot path
@@ -254,7 +259,9 @@ class CompiledGraph:
             hit = self._sym_variants.get(key)
             if hit is not None:
                 return hit
-            report = CompileReport(self.aten_text, inputs=_describe_key([x for x in operands if x is not None]))
+            report = CompileReport(
+                self.aten_text, inputs=_describe_key([x for x in operands if x is not None])
+            )
             why: str | None = None
             failed = False
             try:
@@ -274,8 +281,12 @@ class CompiledGraph:
                 why, failed = f"{type(e).__name__}: {e}".splitlines()[0], True
             if why is not None:
                 self.eager_reason = (
-                    f"symbolic (dynamic) shapes, "
-                    + (f"no graph program ({why})" if failed else f"and the placements may depend on the sizes ({why})")
+                    "symbolic (dynamic) shapes, "
+                    + (
+                        f"no graph program ({why})"
+                        if failed
+                        else f"and the placements may depend on the sizes ({why})"
+                    )
                     + "; pass dynamic=False to torch.compile"
                 )
                 report.error = self.eager_reason

@@ -44,7 +44,9 @@ def _py_targets() -> dict[str, Any]:
         + ("gt", "ge", "and_", "or_", "not_", "getitem")
     }
     names.update({f"math.{n}": getattr(math, n) for n in ("ceil", "floor", "sqrt", "trunc")})
-    names.update({f"torch.{n}": getattr(torch, n) for n in ("sym_int", "sym_float", "sym_max", "sym_min", "sym_not")})
+    names.update(
+        {f"torch.{n}": getattr(torch, n) for n in ("sym_int", "sym_float", "sym_max", "sym_min", "sym_not")}
+    )
     return names
 
 
@@ -114,7 +116,9 @@ def _check_target(node: fx.Node) -> None:
         if t.namespace not in _ALLOWED_NAMESPACES:
             raise UnportableGraphError(f"{node.format_node()}: {t} is not an aten/prims op")
         if torch.Tag.nondeterministic_seeded in t.tags and not _no_dropout(node, t):
-            raise UnportableGraphError(f"{node.format_node()}: random op {t} (its RNG stream is not replayed)")
+            raise UnportableGraphError(
+                f"{node.format_node()}: random op {t} (its RNG stream is not replayed)"
+            )
         return
     if t not in _PY_NAMES:
         raise UnportableGraphError(f"{node.format_node()}: {t} is neither an aten op nor size arithmetic")
@@ -125,7 +129,7 @@ def _no_dropout(node: fx.Node, op: torch._ops.OpOverload) -> bool:
     for i, a in enumerate(op._schema.arguments):
         if a.name == "dropout_p":
             p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else a.default_value)
-            return p == 0
+            return bool(p == 0)
     return False
 
 
@@ -148,12 +152,16 @@ def graph_source(gm: fx.GraphModule, mesh: DeviceMesh, constants: Sequence[fx.No
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             if n.op == "get_attr" and n not in index:
-                raise UnportableGraphError(f"{n.format_node()}: a graph attribute that is not a tensor constant")
+                raise UnportableGraphError(
+                    f"{n.format_node()}: a graph attribute that is not a tensor constant"
+                )
             continue
         if n.op == "output":
             results = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]
             tensors: list[NodeRef | None] = []
-            for r in results:  # the program's outputs: the tensors (sizes and constants stay on the controller)
+            for (
+                r
+            ) in results:  # the program's outputs: the tensors (sizes and constants stay on the controller)
                 val = r.meta.get("val") if isinstance(r, fx.Node) else None
                 if isinstance(val, torch.Tensor):
                     out_meta.append((tuple(_compat.sym_hint(s) for s in val.shape), val.dtype))
@@ -198,7 +206,8 @@ def build_graph_program(src: GraphSource, device: int, torch_device: torch.devic
             env.append(node)
             num_inputs += 1
         elif kind == "c":
-            target, args, kwargs = rec[1], *_local((rec[2], rec[3]), env, torch_device)
+            target: Any = rec[1]
+            args, kwargs = _local((rec[2], rec[3]), env, torch_device)
             if target in (PLACE_OP, PLACE_AS_OP):  # every operand is whole on every rank: nothing moves
                 env.append(args[0])
                 continue
@@ -210,7 +219,9 @@ def build_graph_program(src: GraphSource, device: int, torch_device: torch.devic
             for r in _local(rec[1], env, torch_device):
                 if r is None:
                     continue
-                if r.op == "placeholder" or r in outs:  # every output its own tensor (see local._distinct_outputs)
+                if (
+                    r.op == "placeholder" or r in outs
+                ):  # every output its own tensor (see local._distinct_outputs)
                     r = g.call_function(torch.ops.aten.clone.default, (r,))
                 outs.append(r)
             g.output(tuple(outs))

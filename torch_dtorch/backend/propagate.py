@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,7 @@ class Propagated:
 _CONVERT_ELEMENT_TYPE = torch.ops.prims.convert_element_type.default
 _PY_FUNCS = frozenset(PY_TARGETS.values())
 #: size queries of a tensor: with symbolic sizes they compute ints from the (global) shape at propagation time
-_SYM_QUERIES = {
+_SYM_QUERIES: dict[Any, Callable[..., int]] = {
     torch.ops.aten.sym_size.int: lambda x, d: x.shape[d],
     torch.ops.aten.sym_numel.default: lambda x: x.numel(),
 }

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
 import torch
 from torch import fx
 
@@ -61,13 +60,13 @@ def _compile_expr(e: Any) -> SizeFn:
         return lambda env: v
     if e.is_Symbol:
         return lambda env: env[e]
-    if isinstance(e, sympy.Add) and all(a.is_Integer or a.is_Symbol or a.is_Mul for a in e.args):
+    if e.is_Add:
         parts = [_compile_expr(a) for a in e.args]
         return lambda env: sum(p(env) for p in parts)
-    if isinstance(e, sympy.Mul) and all(a.is_Integer or a.is_Symbol for a in e.args):
+    if e.is_Mul and all(a.is_Integer or a.is_Symbol for a in e.args):
         parts = [_compile_expr(a) for a in e.args]
         return lambda env: math.prod(p(env) for p in parts)
-    return lambda env: int(e.xreplace({s: sympy.Integer(env[s]) for s in e.free_symbols}))
+    return lambda env: int(e.subs({s: env[s] for s in e.free_symbols}))
 
 
 def _binders(gm: fx.GraphModule) -> list[tuple[Any, int, int | None]]:
@@ -83,7 +82,7 @@ def _binders(gm: fx.GraphModule) -> list[tuple[Any, int, int | None]]:
         elif isinstance(val, torch.Tensor):
             dims.extend((_compat.sym_expr(s), d) for d, s in enumerate(val.shape) if not isinstance(s, int))
         for e, d in dims:
-            if isinstance(e, sympy.Symbol) and e not in seen:
+            if getattr(e, "is_Symbol", False) and e not in seen:
                 seen.add(e)
                 out.append((e, i, d))
     return out
@@ -152,7 +151,7 @@ def build_symbolic(
         n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_attr(gm, n), torch.Tensor)
     ]
     src = graph_source(gm, mesh, constants_nodes)
-    ex = rt.executor
+    ex: Any = rt.executor
     constants: list[torch.Tensor] = []
     constant_ids: list[int] = []
     for n in constants_nodes:
@@ -192,11 +191,15 @@ def _recipe(gm: fx.GraphModule, prop: Propagated) -> list[tuple[Any, ...]]:
         elif isinstance(val, (int, float, bool)) or val is None:
             recipe.append(("v", val))
         else:
-            raise UnportableGraphError(f"output {r}: a {type(val).__name__} (not a tensor, a size or a constant)")
+            raise UnportableGraphError(
+                f"output {r}: a {type(val).__name__} (not a tensor, a size or a constant)"
+            )
     return recipe
 
 
-def run_symbolic(rt: Session, variant: SymbolicVariant, operands: Sequence[Operand | None], args: list[Any]) -> list[Any]:
+def run_symbolic(
+    rt: Session, variant: SymbolicVariant, operands: Sequence[Operand | None], args: list[Any]
+) -> list[Any]:
     """One call: the sizes go with the ``RunProgram``; the output tensors get this call's shapes."""
     env = variant.env(args)
     sym_values = tuple(int(a) for a, x in zip(args, operands) if x is None)
@@ -204,7 +207,9 @@ def run_symbolic(rt: Session, variant: SymbolicVariant, operands: Sequence[Opera
     for item in variant.recipe:
         if item[0] == "t":
             _, shape, stride, dtype, mesh, placements = item
-            specs.append((tuple(f(env) for f in shape), dtype, mesh, placements, tuple(f(env) for f in stride)))
+            specs.append(
+                (tuple(f(env) for f in shape), dtype, mesh, placements, tuple(f(env) for f in stride))
+            )
     ins = (*(x.id if x is not None else -1 for x in operands), *variant.constant_ids)
     pid = variant.program_id
     outs = rt.executor.append_with_outputs(
@@ -243,6 +248,7 @@ def _unload(generation: int, program_id: int) -> None:
     if rt is None or rt.generation != generation or rt.executor.closed:
         return
     try:
-        rt.executor.append_instruction(UnloadProgram(program_id))
+        executor: Any = rt.executor
+        executor.append_instruction(UnloadProgram(program_id))
     except Exception:  # noqa: BLE001 - best effort from a finalizer
         log.debug("unloading graph program %d failed", program_id, exc_info=True)
