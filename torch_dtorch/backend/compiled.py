@@ -34,15 +34,7 @@ from torch_dtorch.backend.place_grad import GradPlacements, OutTarget
 from torch_dtorch.backend.program import LoadProgram, RunProgram, UnloadProgram
 from torch_dtorch.backend.propagate import InputSpec, Propagated, UnsupportedGraphError, propagate
 from torch_dtorch.backend.report import CompileReport
-from torch_dtorch.backend.symbolic import (
-    SymbolicVariant,
-    build_symbolic,
-    first_mesh,
-    input_specs,
-    run_symbolic,
-    sym_positions,
-    unsafe_reason,
-)
+from torch_dtorch.backend.symbolic import SymbolicVariant, plan_symbolic, run_symbolic, sym_positions
 from torch_dtorch.device import binding
 from torch_dtorch.device import state as _state
 from torch_dtorch.device.dispatch import DeviceMismatchError, _free_callback, wrap
@@ -262,34 +254,12 @@ class CompiledGraph:
             report = CompileReport(
                 self.aten_text, inputs=_describe_key([x for x in operands if x is not None])
             )
-            why: str | None = None
-            failed = False
-            try:
-                prop = propagate(
-                    self.gm,
-                    input_specs(operands, args),
-                    mesh=first_mesh(operands),
-                    policy=self.options.redistribute,
-                    symbolic=True,
-                )
-                report.logical = str(prop.graph)
-                why = unsafe_reason(prop)
-                if why is None:
-                    variant = build_symbolic(rt, self.gm, prop, next(_PROGRAM_IDS), "eager")
-            except Exception as e:  # noqa: BLE001 - any failure keeps today's eager fallback, logged with its reason
-                log.debug("%s: no graph program for this symbolic graph", self.backend, exc_info=True)
-                why, failed = f"{type(e).__name__}: {e}".splitlines()[0], True
-            if why is not None:
-                self.eager_reason = (
-                    "symbolic (dynamic) shapes, "
-                    + (
-                        f"no graph program ({why})"
-                        if failed
-                        else f"and the placements may depend on the sizes ({why})"
-                    )
-                    + "; pass dynamic=False to torch.compile"
-                )
-                report.error = self.eager_reason
+            variant, why = plan_symbolic(
+                rt, self.gm, operands, args, self.options.redistribute, next(_PROGRAM_IDS), report
+            )
+            if variant is None:
+                self.eager_reason = why
+                report.error = why
                 self._publish(report)
                 return None
             if self.options.worker_compiler != "eager":
@@ -298,7 +268,6 @@ class CompiledGraph:
                     self.backend,
                     self.options.worker_compiler,
                 )
-            report.local = {d: "the captured graph (symbolic sizes)" for d in prop.mesh.root.devices}
             self._publish(report)
             self._sym_variants[key] = variant
             log.debug("%s: graph program %d for symbolic sizes", self.backend, variant.program_id)

@@ -26,7 +26,8 @@ from torch import fx
 from torch_dtorch import _compat
 from torch_dtorch.backend.graph_program import LoadGraphProgram, UnportableGraphError, graph_source
 from torch_dtorch.backend.program import RunProgram, UnloadProgram
-from torch_dtorch.backend.propagate import InputSpec, Propagated
+from torch_dtorch.backend.propagate import InputSpec, Propagated, propagate
+from torch_dtorch.backend.report import CompileReport
 from torch_dtorch.device.dispatch import _free_callback, wrap
 from torch_dtorch.device.fastpath import layout_of
 from torch_dtorch.device.state import Session, session_or_none
@@ -35,7 +36,14 @@ from torch_dtorch.graph import Operand
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Replicate
 
-__all__ = ["SymbolicVariant", "build_symbolic", "sym_positions", "unsafe_reason"]
+__all__ = [
+    "SymbolicVariant",
+    "build_symbolic",
+    "plan_symbolic",
+    "run_symbolic",
+    "sym_positions",
+    "unsafe_reason",
+]
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +173,35 @@ def build_symbolic(
     variant = SymbolicVariant(program_id, _binders(gm), recipe, constants, tuple(constant_ids))
     variant.finalizer = weakref.finalize(variant, _unload, rt.generation, program_id)
     return variant
+
+
+def plan_symbolic(
+    rt: Session,
+    gm: fx.GraphModule,
+    operands: Sequence[Operand | None],
+    args: Sequence[Any],
+    policy: Any,
+    program_id: int,
+    report: CompileReport,
+) -> tuple[SymbolicVariant | None, str]:
+    """Propagate ``gm`` for this call's sizes; where sound, ship its graph program. Returns the variant, or
+    ``None`` and why the graph runs eagerly (the log's and the report's text)."""
+    failed = False
+    try:
+        prop = propagate(
+            gm, input_specs(operands, args), mesh=first_mesh(operands), policy=policy, symbolic=True
+        )
+        report.logical = str(prop.graph)
+        why = unsafe_reason(prop)
+        if why is None:
+            variant = build_symbolic(rt, gm, prop, program_id, "eager")
+            report.local = {d: "the captured graph (symbolic sizes)" for d in prop.mesh.root.devices}
+            return variant, ""
+    except Exception as e:  # noqa: BLE001 - any failure keeps the eager fallback, logged with its reason
+        log.debug("no graph program for this graph with symbolic sizes", exc_info=True)
+        why, failed = f"{type(e).__name__}: {e}".splitlines()[0], True
+    said = f"no graph program ({why})" if failed else f"and the placements may depend on the sizes ({why})"
+    return None, f"symbolic (dynamic) shapes, {said}; pass dynamic=False to torch.compile"
 
 
 def _attr(gm: fx.GraphModule, n: fx.Node) -> Any:
