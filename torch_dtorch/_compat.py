@@ -515,3 +515,19 @@ def scaled_mm(
     return torch._scaled_mm(
         a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum
     )
+
+
+def sym_expr(s: Any) -> Any:
+    """The sympy expression of a ``torch.SymInt`` (its ``SymNode``'s ``expr``; 2.11–2.13 alike); anything else (an
+    ``int``, a sympy expression) as is."""
+    return s.node.expr if isinstance(s, torch.SymInt) else s
+
+
+def sym_hint(s: Any) -> int:
+    """The concrete value a ``torch.SymInt`` had when traced (the shape env's hint); an ``int`` as is."""
+    if isinstance(s, int):
+        return s
+    hint = s.node.hint
+    if hint is None:
+        raise ValueError(f"symbolic size {s} has no hint (a data-dependent size)")
+    return int(hint)

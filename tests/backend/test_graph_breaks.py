@@ -187,10 +187,59 @@ def test_plain_inputs_with_symbolic_sizes() -> None:
         assert torch.equal(compiled(x), fn(x))
 
 
-def test_dtorch_inputs_with_symbolic_sizes_run_eagerly_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+def compiled_graphs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every :class:`CompiledGraph` the backend makes during the test."""
+    from torch_dtorch.backend.compiled import CompiledGraph
+
+    made: list[Any] = []
+    init = CompiledGraph.__init__
+
+    def record(self: CompiledGraph, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(CompiledGraph, "__init__", record)
+    return made
+
+
+def _sizes_fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    z = torch.sin(x) * x.shape[0] + y.sum()
+    return z.view(-1, 3).T.contiguous(), z.shape[0] + 1  # a symbolic view, a transposed output, a size output
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_symbolic_sizes_on_whole_operands_run_one_shipped_program(
+    devices: int, compiled_graphs: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
     """A graph with symbolic sizes (``dynamic=True``; HF ``generate``'s decode steps with a growing KV cache, which
-    dynamo marks dynamic by itself) has no shipped program: its ops run one by one on dtorch tensors. Results equal
-    torch, and the fallback is logged once, with its reason and the fix."""
+    dynamo marks dynamic by itself) whose operands are whole on every rank (a 1-device mesh, replicated inputs)
+    ships one program: every size replays it, with the sizes passed per call. Results (and the size output) equal
+    torch; no call runs the ops eagerly."""
+    mesh = dt.init_device_mesh("cpu", (devices,))
+    reports: list[Any] = []
+    compiled = torch.compile(_sizes_fn, backend="dtorch", dynamic=True, options={"reports": reports})
+    with caplog.at_level(logging.WARNING, logger="torch_dtorch.backend.compiled"):
+        for n in (4, 5, 6, 7, 9):
+            x, y = torch.randn(n, 3), torch.randn(2)
+            got, k = compiled(
+                dt.distribute_tensor(x, mesh, [Replicate()]), dt.distribute_tensor(y, mesh, [Replicate()])
+            )
+            want, want_k = _sizes_fn(x, y)
+            torch.testing.assert_close(got.full_tensor(), want)
+            assert got.shape == want.shape and got.stride() == want.stride() and k == want_k
+    assert not [r for r in caplog.records if "eagerly" in r.getMessage()]
+    symbolic = [g for g in compiled_graphs if g.symbolic]
+    assert symbolic, "dynamo compiled no graph with symbolic sizes"
+    assert all(g.eager_calls == 0 and g.num_variants == 1 for g in symbolic)
+    assert [r.error for r in reports if "symbolic" in str(r.local)] == [None] * len(symbolic)
+
+
+def test_symbolic_sizes_on_a_sharded_operand_run_eagerly_and_say_so(
+    compiled_graphs: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sharded over a symbolic dim, the placements could depend on the sizes: no shipped program; the ops run one
+    by one on dtorch tensors, equal torch, and the fallback is logged once with its reason and the fix."""
     mesh = dt.init_device_mesh("cpu", (2,))
 
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -204,7 +253,8 @@ def test_dtorch_inputs_with_symbolic_sizes_run_eagerly_and_say_so(caplog: pytest
             torch.testing.assert_close(got.full_tensor(), fn(x))
     said = [r.getMessage() for r in caplog.records if "runs its ops eagerly" in r.getMessage()]
     assert len(said) == 1, said
-    assert "symbolic (dynamic) shapes; pass dynamic=False" in said[0]
+    assert "symbolic (dynamic) shapes" in said[0] and "S(0)" in said[0] and "pass dynamic=False" in said[0]
+    assert sum(g.eager_calls for g in compiled_graphs if g.symbolic) >= 2
 
 
 def test_hide_from_dynamo_skips_frames_and_their_callees() -> None:

@@ -76,3 +76,27 @@ def test_tiny_diffusers_on_processes(mesh: dt.DeviceMesh, name: str, parallel: s
     # the ranks really communicate inside the program (TP: reductions; sequence sharding: all-to-all for attention)
     words = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
     assert any(w in text for r in reports for text in r.local.values() for w in words)
+
+
+def test_symbolic_sizes_ship_one_program_to_processes(mesh: dt.DeviceMesh) -> None:
+    """A graph with symbolic sizes on replicated inputs: one graph program (its nodes through the codec), the sizes
+    with every ``RunProgram``; equal torch at every size, no eager fallback."""
+    reports: list[CompileReport] = []
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+        z = torch.sin(x) * x.shape[0] + y.sum()
+        return z.view(-1, 3).T.contiguous(), z.shape[0] + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="dtorch", dynamic=True, options={"reports": reports})
+    for n in (4, 5, 6, 8):
+        x, y = torch.randn(n, 3), torch.randn(2)
+        got, k = compiled(
+            dt.distribute_tensor(x, mesh, [Replicate()]), dt.distribute_tensor(y, mesh, [Replicate()])
+        )
+        want, want_k = fn(x, y)
+        torch.testing.assert_close(got.full_tensor(), want)
+        assert k == want_k
+    symbolic = [r for r in reports if "symbolic" in str(r.local)]
+    assert len(symbolic) == 1 and symbolic[0].error is None
+    assert all(r.error is None for r in reports)

@@ -22,6 +22,7 @@ __all__ = ["dtorch_backend", "dtorch_debug_backend"]
 
 # compiled programs run through their own instructions: worker processes import their handlers when they join
 declare_worker_module("torch_dtorch.backend.program")
+declare_worker_module("torch_dtorch.backend.graph_program")
 
 
 def dtorch_backend(

@@ -34,6 +34,7 @@ from torch_dtorch.backend.place_grad import GradPlacements, OutTarget
 from torch_dtorch.backend.program import LoadProgram, RunProgram, UnloadProgram
 from torch_dtorch.backend.propagate import InputSpec, Propagated, UnsupportedGraphError, propagate
 from torch_dtorch.backend.report import CompileReport
+from torch_dtorch.backend.symbolic import SymbolicVariant, plan_symbolic, run_symbolic, sym_positions
 from torch_dtorch.device import binding
 from torch_dtorch.device import state as _state
 from torch_dtorch.device.dispatch import DeviceMismatchError, _free_callback, wrap
@@ -138,8 +139,16 @@ class CompiledGraph:
         self.num_outputs = len(results) if isinstance(results, (list, tuple)) else 1
         self.eager_reason: str | None = None
         self._told_eager = False  # the eager fallback is logged once per graph
-        if any(not isinstance(s, int) for x in tensors for s in x.shape):
-            self.eager_reason = "symbolic (dynamic) shapes; pass dynamic=False to torch.compile"
+        self.eager_calls = 0  # calls that ran the graph's ops eagerly on dtorch tensors (no shipped program)
+        #: symbolic sizes (dynamic=True): the SymInt inputs, and one graph program per input layout where sound
+        #: (:mod:`~torch_dtorch.backend.symbolic`)
+        self._sizes = frozenset(sym_positions(fake_inputs))
+        self.symbolic = bool(self._sizes) or any(not isinstance(s, int) for x in tensors for s in x.shape)
+        self._sym_variants: dict[Any, SymbolicVariant] = {}
+        if self.symbolic and (records is not None or grad_targets is not None):
+            self.eager_reason = (
+                "symbolic (dynamic) shapes in a training graph; pass dynamic=False to torch.compile"
+            )
         self._variants: dict[Any, _Variant] = {}
         #: (generation, layout id of each input) -> variant: the per-call lookup
         self._fast: dict[tuple[int, ...], _Variant] = {}
@@ -185,6 +194,10 @@ class CompiledGraph:
     def _call_slow(self, args: list[Any]) -> list[Any]:
         if self.plain:
             return self._call_plain(args)
+        if self.symbolic and self.eager_reason is None and not self.debug:
+            result = self._call_symbolic(args)
+            if result is not None:
+                return result
         if self.eager_reason is not None:
             if not self._told_eager:
                 self._told_eager = True
@@ -194,6 +207,7 @@ class CompiledGraph:
                     self.backend,
                     self.eager_reason,
                 )
+            self.eager_calls += 1
             return list(self.gm(*args))
         rt = get_session()
         operands = self._operands(rt, args)
@@ -203,6 +217,7 @@ class CompiledGraph:
         if variant is None:
             variant = self._compile(rt, key, operands, targets)
             if variant is None:
+                self.eager_calls += 1
                 return list(self.gm(*args))
         hot = fast_key(rt.generation, args)
         if hot is not None:  # later calls with these layouts take the hot path
@@ -215,6 +230,49 @@ class CompiledGraph:
             rt.executor.free(x)
         return result
 
+    def _call_symbolic(self, args: list[Any]) -> list[Any] | None:
+        """A graph with symbolic sizes: its graph program for these input layouts (``None``: run it eagerly)."""
+        rt = get_session()
+        operands: list[Any] = self._operands(rt, args)
+        key = (rt.generation, tuple(None if x is None else (x.mesh, x.placements) for x in operands))
+        variant = self._sym_variants.get(key)
+        if variant is None:
+            variant = self._compile_symbolic(rt, key, operands, args)
+        scalars = [x for x in operands if x is not None and x.tag == _SCALAR_TAG]
+        result = None if variant is None else run_symbolic(rt, variant, operands, args)
+        for x in scalars:  # uploaded for this call only
+            rt.executor.free(x)
+        return result
+
+    def _compile_symbolic(
+        self, rt: Session, key: Any, operands: list[Operand | None], args: Sequence[Any]
+    ) -> SymbolicVariant | None:
+        with self._lock:
+            hit = self._sym_variants.get(key)
+            if hit is not None:
+                return hit
+            report = CompileReport(
+                self.aten_text, inputs=_describe_key([x for x in operands if x is not None])
+            )
+            variant, why = plan_symbolic(
+                rt, self.gm, operands, args, self.options.redistribute, next(_PROGRAM_IDS), report
+            )
+            if variant is None:
+                self.eager_reason = why
+                report.error = why
+                self._publish(report)
+                return None
+            if self.options.worker_compiler != "eager":
+                log.info(
+                    "%s: a graph with symbolic sizes runs on the workers with the eager worker compiler, not %s",
+                    self.backend,
+                    self.options.worker_compiler,
+                )
+            self._publish(report)
+            self._sym_variants[key] = variant
+            log.debug("%s: graph program %d for symbolic sizes", self.backend, variant.program_id)
+            return variant
+
     def _operands(self, rt: Session, args: Sequence[Any]) -> list[Operand]:
         if len(args) != self.num_inputs:
             raise TypeError(
@@ -225,6 +283,9 @@ class CompiledGraph:
         scalars: dict[int, torch.Tensor] = {}
         mesh: DeviceMesh | None = None
         for i, a in enumerate(args):
+            if i in self._sizes:  # a SymInt input: its value travels with the call
+                operands.append(None)
+                continue
             if not isinstance(a, torch.Tensor):
                 raise TypeError(f"{self.backend}: input {i} is {type(a).__name__}, expected a tensor")
             if a.device.type == DEVICE_NAME:
@@ -388,7 +449,8 @@ class CompiledGraph:
 
     @property
     def num_variants(self) -> int:
-        return len(self._variants)
+        """Compiled variants: input layouts with their own programs (graphs with symbolic sizes: one each)."""
+        return len(self._variants) + len(self._sym_variants)
 
 
 def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:

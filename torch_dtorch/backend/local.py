@@ -155,6 +155,8 @@ class LocalProgram:
     out_slots: tuple[int | None, ...]
     in_meta: tuple[LocalMeta | None, ...]
     names: dict[str, str] = field(default_factory=dict)
+    #: inputs that are sizes (a graph with symbolic sizes): each call's ``RunProgram.sym_values``, in order
+    sym_inputs: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return format_local_program(self.graph)

@@ -40,7 +40,15 @@ from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.sticky import StickyCall, call_hooks, kernel_error
 from torch_dtorch.runtime.stream import COMPUTE
 
-__all__ = ["LoadProgram", "ProgramStats", "RunProgram", "UnloadProgram", "loaded_program", "program_stats"]
+__all__ = [
+    "LoadProgram",
+    "ProgramStats",
+    "RunProgram",
+    "UnloadProgram",
+    "install_program",
+    "loaded_program",
+    "program_stats",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,9 @@ class RunProgram:
     in_ids: tuple[int, ...]
     out_ids: tuple[int, ...]
     call_site: str | None = None
+    #: a program of a graph with symbolic sizes: this call's value of each SymInt input (``in_ids`` holds a
+    #: placeholder id there)
+    sym_values: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +141,23 @@ def loaded_program(worker: Worker, program_id: int) -> LocalProgram | None:
 def program_stats(worker: Worker, program_id: int) -> ProgramStats | None:
     hit = _PROGRAMS.get(worker, {}).get(program_id)
     return hit.stats if type(hit) is _Loaded else None
+
+
+def install_program(
+    worker: Worker,
+    program_id: int,
+    program: LocalProgram | BaseException,
+    compiler: str,
+    name: str,
+    static: Sequence[int] = (),
+) -> None:
+    """Keep ``program`` (or the error that building it raised: every call then fails) under ``program_id``."""
+    if isinstance(program, BaseException):
+        err = KernelError(name, worker.device, program, detail="while building this rank's local program")
+        err.__cause__ = program
+        _table(worker)[program_id] = _Failed(err)
+        return
+    _table(worker)[program_id] = _Loaded(program, compiler, False, name, static)
 
 
 @register_instruction(LoadProgram)
@@ -278,6 +306,8 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
         else:
             vals[i] = b.tensor
             in_blobs.append(b)
+    for i, v in zip(prog.sym_inputs, instr.sym_values):
+        vals[i] = v
     stream = worker.stream
     if stream is not None and stream.is_cuda:
         stream.wait_for(in_blobs, COMPUTE)
@@ -390,11 +420,17 @@ def _register_codecs() -> None:
     from torch_dtorch.cluster.codec.common import CodecError, register_codec
 
     def enc_run(instr: RunProgram, ctx: Any) -> Any:
-        return [instr.program_id, list(instr.in_ids), list(instr.out_ids), instr.call_site]
+        tree = [instr.program_id, list(instr.in_ids), list(instr.out_ids), instr.call_site]
+        if instr.sym_values:
+            tree.append(list(instr.sym_values))
+        return tree
 
     def dec_run(tree: Any, ctx: Any) -> RunProgram:
-        pid, ins, outs, site = tree
-        return RunProgram(int(pid), tuple(int(i) for i in ins), tuple(int(o) for o in outs), site)
+        pid, ins, outs, site, *sym = tree
+        run = RunProgram(int(pid), tuple(int(i) for i in ins), tuple(int(o) for o in outs), site)
+        if sym:
+            run.sym_values = tuple(int(v) for v in sym[0])
+        return run
 
     def enc_unload(instr: UnloadProgram, ctx: Any) -> Any:
         return instr.program_id

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from torch_dtorch._tree import any_leaf, map_only
+from torch_dtorch.backend.graph_program import PY_TARGETS
 from torch_dtorch.backend.local import ProgramSource
 from torch_dtorch.backend.place import PLACE_AS_OP, PLACE_OP, place_as_target, place_target
 from torch_dtorch.backend.place_grad import OutTarget, place_output
@@ -64,6 +65,12 @@ class Propagated:
 
 
 _CONVERT_ELEMENT_TYPE = torch.ops.prims.convert_element_type.default
+_PY_FUNCS = frozenset(PY_TARGETS.values())
+#: size queries of a tensor: with symbolic sizes they compute ints from the (global) shape at propagation time
+_SYM_QUERIES: dict[Any, Callable[..., int]] = {
+    torch.ops.aten.sym_size.int: lambda x, d: x.shape[d],
+    torch.ops.aten.sym_numel.default: lambda x: x.numel(),
+}
 
 
 def _check_static(node: fx.Node) -> None:
@@ -121,6 +128,11 @@ def _fold(target: Any, args: Any, kwargs: Any) -> Any:
     return map_only(torch.Tensor, lambda t: _Constant(t, f"constant {target}"), out)
 
 
+def _int_arithmetic(target: Any, tree: Any) -> bool:
+    """A Python function of plain numbers (``operator.add`` on sizes, ``torch.sym_max``...): computed directly."""
+    return target in _PY_FUNCS and not any_leaf(Operand, tree)
+
+
 def _first_mesh(tree: Any) -> DeviceMesh | None:
     """The mesh of the first operand in ``tree`` that has one."""
     found: list[DeviceMesh] = []
@@ -166,15 +178,21 @@ def _place_as(con: GraphConstructor, g: Any, like: Any) -> Any:
 
 def propagate(
     gm: fx.GraphModule,
-    inputs: Sequence[InputSpec],
+    inputs: Sequence[InputSpec | int],
     *,
     mesh: DeviceMesh,
     policy: RedistributePolicy | None = None,
     out_targets: Sequence[OutTarget | None] | None = None,
+    symbolic: bool = False,
 ) -> Propagated:
     """Record ``gm`` on operands with the given input layouts; returns the LogicalGraph and its boundary.
     ``out_targets`` (a training backward graph, :mod:`~torch_dtorch.backend.place_grad`): the layout each output
-    must end in, redistributed inside the program."""
+    must end in, redistributed inside the program.
+
+    ``symbolic``: ``gm`` has symbolic sizes (``dynamic=True``); it is recorded for one concrete call — tensor specs
+    with that call's shapes, a plain ``int`` spec for each SymInt input — and size arithmetic (``sym_size``, Python
+    operators on ints) is evaluated on the way (:mod:`~torch_dtorch.backend.symbolic` decides whether the
+    placements found hold for every size). SymInt inputs get no input operand."""
     graph = LogicalGraph()
     con = GraphConstructor(graph, default_mesh=mesh, policy=policy)
     env: dict[fx.Node, Any] = {}
@@ -207,9 +225,13 @@ def propagate(
 
     it = iter(inputs)
     for node in gm.graph.nodes:
-        _check_static(node)
+        if not symbolic:
+            _check_static(node)
         if node.op == "placeholder":
             spec = next(it)
+            if not isinstance(spec, InputSpec):  # a SymInt input: its value at this call
+                env[node] = spec
+                continue
             x = con.input(spec.shape, spec.mesh, spec.placements, dtype=spec.dtype, tag=node.name)
             in_operands.append(x)
             env[node] = x
@@ -227,6 +249,10 @@ def propagate(
             args, kwargs = bind_all((args, kwargs), _first_mesh((args, kwargs)))
             if node.target is operator.getitem:
                 env[node] = args[0][args[1]]
+            elif symbolic and node.target in _SYM_QUERIES:
+                env[node] = _SYM_QUERIES[node.target](*args, **kwargs)
+            elif symbolic and _int_arithmetic(node.target, (args, kwargs)):
+                env[node] = node.target(*args, **kwargs)
             elif node.target is PLACE_OP:
                 env[node] = _place(con, moved, *args)
             elif node.target is PLACE_AS_OP:  # the backward of ``place`` (training)

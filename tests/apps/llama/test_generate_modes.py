@@ -116,3 +116,34 @@ def test_process_mode_compiled_generate(
     dt.shutdown()
     model = parallelize_llama(fresh_model(SIZES_2), make_mesh(axes, mode="process"), cp_mode=cp_mode)
     _check_generate(_compiled(model), SIZES_2, calls=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_compiled_decode_replays_one_program(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a 1-device mesh the decode graph with the symbolic KV length (dynamo's third graph) ships one program:
+    tokens and logits equal torch, and no call of a graph with symbolic sizes runs its ops eagerly."""
+    from torch_dtorch.backend.compiled import CompiledGraph
+
+    made: list[CompiledGraph] = []
+    init = CompiledGraph.__init__
+
+    def record(self: CompiledGraph, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(CompiledGraph, "__init__", record)
+    if mode == "process":  # as in test_process_mode_compiled_generate
+        monkeypatch.setenv("DTORCH_HEARTBEAT_TIMEOUT_S", "30")
+        monkeypatch.setenv("DTORCH_CONTROLLER_TIMEOUT_S", "30")
+        dt.shutdown()
+    try:
+        model = parallelize_llama(fresh_model(SIZES_2), make_mesh({}, mode=mode))
+        _check_generate(_compiled(model), SIZES_2, calls=2)
+    finally:
+        if mode == "process":
+            dt.shutdown()
+    symbolic = [g for g in made if g.symbolic]
+    assert symbolic, "dynamo compiled no decode graph with symbolic sizes"
+    assert [g.eager_calls for g in symbolic] == [0] * len(symbolic)
+    assert [g.num_variants for g in symbolic] == [1] * len(symbolic)
