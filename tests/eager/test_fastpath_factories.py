@@ -170,3 +170,23 @@ def test_an_upload_is_the_mesh_a_factory_binds_to() -> None:
     (dt.distribute_tensor(torch.ones(4), a, [Shard(0)]) + 1).sum()
     dt.distribute_tensor(torch.ones(3), b, [Shard(0)])
     assert get_session().last_mesh is b
+
+
+def test_an_eager_factory_result_is_forgotten_when_it_dies() -> None:
+    """The mark that lets a consumer on another mesh move an eager-bound factory result lives as long as the tensor
+    (it used to be the last 1,024 marks: one saved for a long backward could lose it)."""
+    from torch_dtorch.device import binding
+    from torch_dtorch.device.tensors import TABLE
+
+    a = init_mesh((2,))
+    xa = dt.distribute_tensor(torch.ones(4), a, [Shard(0)])
+    ids = []
+    for _ in range(4):
+        (xa + 1).sum()
+        z = torch.full((), 3.0, dtype=torch.float64, device=xa.device)  # (a key no other test teaches)
+        ids.append(TABLE.lookup(z, dt.device.state.get_session().generation).id)
+        assert dt.to_torch(xa * z).cpu().tolist() == [3.0] * 4
+    assert ids[-1] in binding._EAGER  # bound at once (after the first calls taught the key)
+    del z
+    dt.sync()
+    assert ids[-1] not in binding._EAGER

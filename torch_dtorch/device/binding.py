@@ -113,11 +113,12 @@ def release_uploads(rt: Session, unbound: list[Operand], keep: list[Operand]) ->
                 rt.executor.free(y)
 
 
-#: operand id -> callback, of the most recent factory results the fast path bound at once on the mesh their call's
+#: operand id -> callback, of the live factory results the fast path bound at once on the mesh their call's
 #: earlier results went to (:mod:`torch_dtorch.device.fastpath_factory`): an op that meets one next to inputs on
-#: another mesh moves it there (:func:`move_eager`), as binding a deferred factory would have
+#: another mesh moves it there (:func:`move_eager`), as binding a deferred factory would have. An entry goes when
+#: its tensor dies (:func:`forget_eager`, from the free callback); the bound is a guard against leaks only
 _EAGER: dict[int, Callable[[], None]] = {}
-_MAX_EAGER = 1024
+_MAX_EAGER = 1 << 16
 
 
 def _MOVED() -> None:
@@ -131,6 +132,11 @@ def note_eager(x: Operand, on_moved: Callable[[], None]) -> None:
     if len(eager) >= _MAX_EAGER:
         del eager[next(iter(eager))]
     eager[x.id] = on_moved
+
+
+def forget_eager(operand_id: int) -> None:
+    """The tensor of an eager-bound factory result died (no consumer can meet it any more)."""
+    _EAGER.pop(operand_id, None)
 
 
 def move_eager(rt: Session, bound: list[Operand]) -> dict[int, Operand]:

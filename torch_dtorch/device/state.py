@@ -192,6 +192,8 @@ def _free_callback(rt: Session):  # noqa: ANN202 - closure factory, one per runt
 def _make_free_callback(rt: Session):  # noqa: ANN202 - closure factory
     generation = rt.generation
     executor = rt.executor
+    eager = binding._EAGER
+    forget_eager = binding.forget_eager
 
     def on_free(operand: Operand) -> None:
         current = _SESSION
@@ -203,6 +205,8 @@ def _make_free_callback(rt: Session):  # noqa: ANN202 - closure factory
                 for bound in deferred.bound.values():
                     executor.release(bound.id)
             return
+        if eager:
+            forget_eager(operand.id)
         executor.release(operand.id)
 
     return on_free
