@@ -9,7 +9,7 @@ fp8 row quantization of the next linear — into fewer kernels than with the op 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
@@ -20,7 +20,6 @@ from torch_dtorch import _compat
 from torch_dtorch.backend.parity import InductorCapture, InductorGraph
 from torch_dtorch.ops.decompositions import Decomposition, inductor_decompositions_for
 from torch_dtorch.placement import Replicate, Shard
-from torch_dtorch.placement_rules.families import quantized
 from torch_dtorch.placement_rules.families.fused import (
     LINEAR_GELU,
     MODULATE,
@@ -173,16 +172,6 @@ def test_modulate_fuses_with_its_producer_and_consumer(dtype: torch.dtype) -> No
     want = _residual_modulate(*args)
     tol = {} if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(got.float(), want.float(), **tol)
-
-
-@pytest.fixture
-def fp8_gemm_on_cpu() -> Iterator[None]:
-    """Compiled programs decompose fp8_linear into the fp8 GEMM formula on the CPU too (as on a Hopper GPU)."""
-    quantized.DECOMPOSE_FP8_ANYWHERE = True
-    try:
-        yield
-    finally:
-        quantized.DECOMPOSE_FP8_ANYWHERE = False
 
 
 def _modulate_fp8(

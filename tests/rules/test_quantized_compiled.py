@@ -8,7 +8,7 @@ custom op left, one fused quantization kernel with the producer of ``x``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,7 +21,6 @@ from torch_dtorch.backend.parity import InductorCapture
 from torch_dtorch.errors import ShapeError
 from torch_dtorch.ops.decompositions import inductor_decompositions_for
 from torch_dtorch.placement import Replicate, Shard
-from torch_dtorch.placement_rules.families import quantized
 from torch_dtorch.placement_rules.families.quantized import (
     FP8_LINEAR,
     INT8_LINEAR,
@@ -39,16 +38,6 @@ SCALED_MM = "aten._scaled_mm.default"
 
 def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=_g).to(dtype)
-
-
-@pytest.fixture
-def fp8_gemm_on_cpu() -> Iterator[None]:
-    """Compiled programs decompose fp8_linear into the fp8 GEMM formula on the CPU too."""
-    quantized.DECOMPOSE_FP8_ANYWHERE = True
-    try:
-        yield
-    finally:
-        quantized.DECOMPOSE_FP8_ANYWHERE = False
 
 
 def _fp8_block(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
