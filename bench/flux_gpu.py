@@ -63,6 +63,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (tests)
+import gpu_trace  # noqa: E402
+
 log = logging.getLogger("bench.flux_gpu")
 
 #: black-forest-labs/FLUX.1-dev transformer/config.json
@@ -235,16 +238,6 @@ def call_kwargs(
     return kw
 
 
-def _gpu_trace() -> Any:
-    """``bench/gpu_trace.py`` (this file may be loaded by path, without ``bench/`` on ``sys.path``)."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import gpu_trace
-
-    return gpu_trace
-
-
 def prepare(row: Row, pipe: Any, args: argparse.Namespace) -> Any:
     mode = row.mode
     if mode == "diffusers":
@@ -296,7 +289,7 @@ def time_mode(row: Row, args: argparse.Namespace, device: torch.device, dtype: t
             times.append(time.perf_counter() - t0)
     fetches = None if row.mode in BASELINES else fetched[0] / args.repeat
     if args.trace:
-        _gpu_trace().trace_call(
+        gpu_trace.trace_call(
             functools.partial(pipe, **kw, generator=torch.Generator().manual_seed(0)),
             sync=sync,
             label=f"{args.model}-{mode}",

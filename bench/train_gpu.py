@@ -45,6 +45,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (tests)
+import gpu_trace  # noqa: E402
+
 log = logging.getLogger("bench.train_gpu")
 
 #: meta-llama/Meta-Llama-3-8B config.json (layers from --layers)
@@ -154,19 +157,9 @@ def run_mode(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
     result: dict[str, Any] = {"step_s": statistics.median(times), "peak_gib": peak, "loss": first_loss}
     if args.trace:
-        summary = _gpu_trace().trace_call(step, sync=sync, label=f"train-{mode}", out_dir=args.trace)
+        summary = gpu_trace.trace_call(step, sync=sync, label=f"train-{mode}", out_dir=args.trace)
         result["trace"] = summary.lines(f"train-{mode}")
     return result
-
-
-def _gpu_trace() -> Any:
-    """``bench/gpu_trace.py`` (this file may be loaded by path, without ``bench/`` on ``sys.path``)."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import gpu_trace
-
-    return gpu_trace
 
 
 def _in_process(mode: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
