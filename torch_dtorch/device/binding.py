@@ -116,7 +116,7 @@ def release_uploads(rt: Session, unbound: list[Operand], keep: list[Operand]) ->
 #: operand id -> callback, of the live factory results the fast path bound at once on the mesh their call's
 #: earlier results went to (:mod:`torch_dtorch.device.fastpath_factory`): an op that meets one next to inputs on
 #: another mesh moves it there (:func:`move_eager`), as binding a deferred factory would have. An entry goes when
-#: its tensor dies (:func:`forget_eager`, from the free callback); the bound is a guard against leaks only
+#: its tensor dies (the free callback of ``device/state.py`` pops it); the bound is a guard against leaks only
 _EAGER: dict[int, Callable[[], None]] = {}
 _MAX_EAGER = 1 << 16
 
@@ -132,11 +132,6 @@ def note_eager(x: Operand, on_moved: Callable[[], None]) -> None:
     if len(eager) >= _MAX_EAGER:
         del eager[next(iter(eager))]
     eager[x.id] = on_moved
-
-
-def forget_eager(operand_id: int) -> None:
-    """The tensor of an eager-bound factory result died (no consumer can meet it any more)."""
-    _EAGER.pop(operand_id, None)
 
 
 def move_eager(rt: Session, bound: list[Operand]) -> dict[int, Operand]:

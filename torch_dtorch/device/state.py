@@ -192,8 +192,7 @@ def _free_callback(rt: Session):  # noqa: ANN202 - closure factory, one per runt
 def _make_free_callback(rt: Session):  # noqa: ANN202 - closure factory
     generation = rt.generation
     executor = rt.executor
-    eager = binding._EAGER
-    forget_eager = binding.forget_eager
+    eager = binding._EAGER  # an eager-bound factory result's mark dies with its tensor (binding.move_eager)
 
     def on_free(operand: Operand) -> None:
         current = _SESSION
@@ -206,7 +205,7 @@ def _make_free_callback(rt: Session):  # noqa: ANN202 - closure factory
                     executor.release(bound.id)
             return
         if eager:
-            forget_eager(operand.id)
+            eager.pop(operand.id, None)
         executor.release(operand.id)
 
     return on_free

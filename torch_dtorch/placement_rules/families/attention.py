@@ -37,6 +37,7 @@ from torch_dtorch.placement_rules.families.context_parallel import (
     cp_signatures,
     local_attention_hooks,
     observe_local_attention,
+    query_rows_split,
     register_comm_kernel,
     run_context_parallel,
 )
@@ -140,12 +141,7 @@ def _as_is(call: OpCall) -> bool:
         return False
     if call.arg("is_causal"):
         q, pq = call.inputs[0], call.placements[0]
-        if q is None or pq is None:
-            return False
-        seq = q.ndim - 2
-        if any(
-            mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % q.ndim == seq for a, p in enumerate(pq)
-        ):
+        if q is None or pq is None or query_rows_split(mesh, q, pq):
             return False
     return every_shard_nonempty(call)
 

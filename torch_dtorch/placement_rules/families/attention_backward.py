@@ -62,7 +62,11 @@ from torch_dtorch.placement_rules.families.comm import (
     exchange,
     register_comm_kernel,
 )
-from torch_dtorch.placement_rules.families.context_parallel import CP_AXIS_MODES, mesh_has_cp_axis
+from torch_dtorch.placement_rules.families.context_parallel import (
+    CP_AXIS_MODES,
+    mesh_has_cp_axis,
+    query_rows_split,
+)
 from torch_dtorch.placement_rules.families.context_parallel_ring import (
     causal_mask,
     gathered,
@@ -293,8 +297,7 @@ def fused_locally(call: OpCall) -> bool:
     mask = _operand(call, "mask")
     if mask is not None and mask.dtype != q.dtype:  # torch's CPU kernel takes only a mask of q's dtype
         return False
-    seq = q.ndim - 2
-    if any(mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % q.ndim == seq for a, p in enumerate(pq)):
+    if query_rows_split(mesh, q, pq):
         return False
     return every_shard_nonempty(call)
 

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from torch_dtorch.graph import Operand
 from torch_dtorch.mesh import DeviceMesh
-from torch_dtorch.placement import Replicate, Shard, chunk_size_and_offset, local_shape_and_offset
+from torch_dtorch.placement import Placement, Replicate, Shard, chunk_size_and_offset, local_shape_and_offset
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.families.comm import (
     CP_TAG,
@@ -78,6 +80,7 @@ __all__ = [
     "kernel_needs_comm",
     "local_attention_hooks",
     "observe_local_attention",
+    "query_rows_split",
     "register_comm_kernel",
     "run_context_parallel",
 ]
@@ -111,6 +114,13 @@ def cp_signatures(call: OpCall) -> list[PlacementSignature]:
     if min(q.ndim, k.ndim, v.ndim) < 2:
         return []
     return [sig([Shard(q.ndim - 2), Shard(k.ndim - 2), Shard(v.ndim - 2), _R], Shard(out_nd - 2))]
+
+
+def query_rows_split(mesh: DeviceMesh, q: Operand, pq: Sequence[Placement]) -> bool:
+    """``q``'s sequence dim (-2) is sharded on a mesh axis of more than one device: each rank holds some query rows
+    only (a causal call then needs its rank's offset; torch's own kernels assume rows from 0)."""
+    seq = q.ndim - 2
+    return any(mesh.shape[a] > 1 and isinstance(p, Shard) and p.dim % q.ndim == seq for a, p in enumerate(pq))
 
 
 def cp_axes(call: OpCall) -> list[int]:
