@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -76,4 +77,7 @@ def test_decode_bench_runs() -> None:
     mesh = bench._mesh("")
     assert bench.bench_cat(mesh, 3, 1) > 0
     r = bench.bench_generate(mesh, 2, 1)
-    assert r["fetches_per_token"] > 0 and r["new_ms_per_token"] > 0
+    # (the times are differences of two single runs, ``(generate(1 + n) - generate(1)) / n``: at these sizes a loaded
+    # machine can make one negative; the figures are checked for being measured, the counts for their values)
+    assert r["fetches_per_token"] > 0
+    assert math.isfinite(r["new_ms_per_token"]) and math.isfinite(r["seen_ms_per_token"])
