@@ -108,11 +108,13 @@ class Row(NamedTuple):
     quant: str | None = None
     fuse: bool = False
     cache_skip: float | None = None
+    cudagraphs: bool = False
 
     @property
     def name(self) -> str:
         name = self.mode + (f"+{self.quant}" if self.quant else "") + ("+fuse" if self.fuse else "")
-        return name + (f"+cache{self.cache_skip:g}" if self.cache_skip else "")
+        name += f"+cache{self.cache_skip:g}" if self.cache_skip else ""
+        return name + ("+cudagraphs" if self.cudagraphs else "")
 
 
 class Timing(NamedTuple):
@@ -167,6 +169,8 @@ def rows(args: argparse.Namespace) -> list[Row]:
             acc |= step
             if args.ladder or i == len(steps) - 1:
                 out.append(Row(mode, **acc))
+    if getattr(args, "cudagraphs", False):  # (one rank per GPU: not the simulated ulysses4 mesh)
+        out = [r._replace(cudagraphs=True) if r.mode == "dtorch-compiled" else r for r in out]
     return out
 
 
@@ -262,6 +266,7 @@ def prepare(row: Row, pipe: Any, args: argparse.Namespace) -> Any:
         quant=QuantizeConfig(kind=row.quant, allow_emulation=args.device != "cuda") if row.quant else None,  # type: ignore[arg-type]
         fuse=FuseConfig() if row.fuse else None,
         cache=CacheConfig(kind="fbc", force_skip=row.cache_skip) if row.cache_skip else None,
+        cudagraphs=row.cudagraphs,
     )
     return parallelize_pipeline(pipe, mesh, config)
 
@@ -409,7 +414,7 @@ def load(paths: list[str]) -> list[Result]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", choices=("flux", "sd3"), default="flux")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -452,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
         default="thread",
         help="dtorch modes: worker threads in this process (default) or worker processes",
     )
+    parser.add_argument(
+        "--cudagraphs",
+        action="store_true",
+        help="compiled dtorch modes: workers capture their inductor segments in CUDA graphs (ExecuteConfig)",
+    )
     parser.add_argument("--save", metavar="FILE", default=None, help="also save the rows for --report")
     parser.add_argument(
         "--trace",
@@ -468,7 +478,11 @@ def main(argv: list[str] | None = None) -> int:
         help="print one table and the targets from files of --save (several runs: e.g. one compiled mode each, "
         "when a full-size compile per mode does not fit one command); runs nothing",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.report:
         report(load(args.report))

@@ -35,3 +35,22 @@ def test_tiny_bench_acceleration_rows(model: str, quant: str, capsys: pytest.Cap
     assert rows["dtorch-compiled"][-2] == "1"  # fetches per call: the loop stays on the mesh
     assert float(rows["dtorch-compiled"][-1]) < 1e-4  # the unaccelerated row still equals diffusers
     assert float(rows[names[0]][-1]) > 0  # quantized: a different (not broken) result
+
+
+def test_cudagraphs_rows() -> None:
+    """``--cudagraphs`` marks the one-rank compiled rows (named ``+cudagraphs``), not the simulated ulysses4 mesh."""
+    spec = importlib.util.spec_from_file_location("flux_gpu_rows", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(
+        ["--modes", "inductor", "dtorch-compiled", "ulysses4", "--quant", "fp8", "--cudagraphs"]
+    )
+    names = [r.name for r in bench.rows(args)]
+    assert names == [
+        "inductor",
+        "dtorch-compiled+cudagraphs",
+        "dtorch-compiled+fp8+cudagraphs",
+        "ulysses4",
+        "ulysses4+fp8",
+    ]
