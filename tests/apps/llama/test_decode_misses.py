@@ -64,3 +64,28 @@ def test_decode_step_misses_nothing(axes: dict[str, int], batch: int) -> None:
     assert len(per_token) == TOKENS - 1
     assert per_token == [(0, 0)] * (TOKENS - 1)  # (misses, calls planned in full) per decode step
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize(("axes", "moves"), [({}, False), ({"dp": 1, "tp": 2}, False), ({"dp": 2}, True)])
+def test_inputs_move_only_where_the_layout_differs(
+    axes: dict[str, int], moves: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's input hook redistributes an input only where its layout differs: on an axis of size 1, Shard
+    and Replicate hold the same whole tensor (a decode step's fresh token was a redistribute per token on the
+    ``dp=1`` mesh ``bench/llama_gpu.py`` uses); on ``dp=2`` the replicated prompt is still split over the batch."""
+    from torch_dtorch.apps.llama import parallelize as llama_parallelize
+
+    calls: list[tuple[int, ...]] = []
+    real = llama_parallelize.redistribute
+
+    def counting(t: Any, mesh: Any, want: Any) -> Any:
+        calls.append(tuple(t.shape))
+        return real(t, mesh, want)
+
+    monkeypatch.setattr(llama_parallelize, "redistribute", counting)
+    model = parallelize_llama(fresh_model(), make_mesh(axes))
+    ids = torch.randint(3, SIZES.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    want, _ = _generate(fresh_model(), ids, on_dtorch=False)
+    got, _ = _generate(model, ids, on_dtorch=True)
+    assert torch.equal(got.full_tensor().cpu(), want)
+    assert bool(calls) == moves, calls

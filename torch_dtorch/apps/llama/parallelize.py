@@ -222,9 +222,20 @@ def _place(t: Any, layout: LlamaLayout, *, batch_dim: int, seq_dim: int | None, 
     if op.mesh is not None and op.mesh.root != mesh.root:
         t = to_stage(t, mesh)
         op = operand_of(t)
-    if op.mesh is not None and tuple(op.root_placements) == tuple(want):
+    if op.mesh is not None and _same_layout(op.root_placements, want, mesh):
         return t
     return redistribute(t, mesh, want)
+
+
+def _same_layout(have: Any, want: Any, mesh: DeviceMesh) -> bool:
+    """``have`` lays a tensor out as ``want`` does: equal placements, or Shard/Replicate on an axis of size 1 (the
+    one rank holds the whole tensor either way; a decode step's inputs need no redistribute on a ``dp=1`` mesh)."""
+    for size, h, w in zip(mesh.shape, have, want, strict=True):
+        if h != w and not (
+            size == 1 and isinstance(h, (Shard, Replicate)) and isinstance(w, (Shard, Replicate))
+        ):
+            return False
+    return True
 
 
 def _input_hook(layout: LlamaLayout) -> Any:
