@@ -337,11 +337,11 @@ def _old_tracers(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("fallback", [False, True])
 def test_composites_stay_whole_on_older_torch(monkeypatch: pytest.MonkeyPatch, fallback: bool) -> None:
     """torch 2.11 tracers would split linear/layer_norm on dtorch tensors; the decompose fallback keeps them whole."""
-    from torch_dtorch import _compat
+    from torch_dtorch._compat import composites
     from torch_dtorch.backend.report import CompileReport
 
     _old_tracers(monkeypatch)
-    monkeypatch.setattr(_compat, "FORCE_COMPOSITE_FALLBACK", fallback)
+    monkeypatch.setattr(composites, "FORCE_COMPOSITE_FALLBACK", fallback)
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(4, 8)
     reports: list[CompileReport] = []
@@ -357,7 +357,7 @@ def test_composites_stay_whole_on_older_torch(monkeypatch: pytest.MonkeyPatch, f
         assert "aten.linear(" in aten and "aten.layer_norm(" in aten and "aten.addmm" not in aten
     else:  # the simulation does reach the tracers: without the fallback the composites are split
         assert "aten.linear(" not in aten
-    assert type(torch.ops.aten.linear.default).decompose is _compat._ORIGINAL_DECOMPOSE  # restored
+    assert type(torch.ops.aten.linear.default).decompose is composites._ORIGINAL_DECOMPOSE  # restored
 
 
 @pytest.mark.parametrize("n", [1, 2])
