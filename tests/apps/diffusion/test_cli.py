@@ -33,6 +33,38 @@ def test_default_tiny_run_writes_png(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "mesh cp=2 (thread, cpu)" in text and "per step" in text and f"wrote {out}" in text
 
 
+def test_sd3_cfg_compiled_on_worker_processes_at_the_default_steps(tmp_path: Path) -> None:
+    """``dtorch diffuse --model sd3 --mesh cfg=2 --mode process --compile`` at the CLI's own 4 steps: the image of
+    single-device diffusers. It failed at the fourth step: hit records made operand ids the compiled program had
+    defined for itself, and the worker decoded the older operand (``tests/cluster/test_hits.py``)."""
+    out = tmp_path / "sd3.png"
+    argv = [
+        "diffuse",
+        "--model",
+        "sd3",
+        "--mesh",
+        "cfg=2",
+        "--mode",
+        "process",
+        "--compile",
+        "--out",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    pipe = tiny_pipeline("sd3", seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(
+        prompt="a photo of a red fox in the snow",
+        num_inference_steps=4,
+        height=64,
+        width=64,
+        max_sequence_length=32,
+        generator=torch.Generator().manual_seed(0),
+    ).images[0]
+    want_t = torch.from_numpy(np.asarray(want.convert("RGB"), dtype=np.float32) / 255.0)
+    assert psnr(_png(out), want_t) >= 40  # (8-bit PNGs of float32 images)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["flux", "sd3"])
 def test_save_pretrained_model_path_round_trip(model: str, tmp_path: Path) -> None:

@@ -307,7 +307,7 @@ class HitDecoding:
         end = start + n
         where = f"instruction batch {self._batch_no}"
         hts = self._tables["hit"]
-        lazy, free = self._lazy, self._free
+        lazy, free, known = self._lazy, self._free, self._operands
         p = start
         while p < end:
             w = words[p]
@@ -336,12 +336,18 @@ class HitDecoding:
                             raise CodecError(
                                 f"{where}: hit record at word {p}: input ids do not match the template's slots"
                             )
+                # the record defines its outputs anew: an older operand of the same id (a compiled program's
+                # own operands share the id space) must not answer for them
                 if ht.n_out == 1:
                     lazy[first] = ht
+                    if first in known:
+                        del known[first]
                 else:
                     lazy[first] = ht
+                    known.pop(first, None)
                     for k in range(1, ht.n_out):
                         lazy[first + k] = (ht, k)
+                        known.pop(first + k, None)
                 p = q
             elif kind == FREE:
                 q = p + 1 + (w >> 2)
