@@ -235,6 +235,78 @@ def test_symbolic_sizes_on_whole_operands_run_one_shipped_program(
     assert [r.error for r in reports if "symbolic" in str(r.local)] == [None] * len(symbolic)
 
 
+def test_symbolic_sizes_compile_once_with_the_workers_inductor(
+    compiled_graphs: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``worker_compiler="inductor"``: each worker compiles the graph program of a graph with symbolic sizes once,
+    for every size (its inputs' dims are the graph's size symbols), not per size and not left uncompiled; a
+    non-contiguous input (a transposed view) is made contiguous for it. Results equal torch at every size."""
+    from torch_dtorch import _compat
+
+    compiles: list[Any] = []
+    real = _compat.inductor_compile_symbolic
+
+    def counting(gm: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        compiles.append(tuple(inputs))
+        return real(gm, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(_compat, "inductor_compile_symbolic", counting)
+    mesh = dt.init_device_mesh("cpu", (2,))
+    options = {"worker_compiler": "inductor"}
+    compiled = torch.compile(_sizes_fn, backend="dtorch", dynamic=True, options=options)
+    with caplog.at_level(logging.INFO, logger="torch_dtorch.backend.program"):
+        for n in (4, 5, 6, 7, 9):
+            x, y = torch.randn(3, n), torch.randn(2)
+            xd = dt.distribute_tensor(x, mesh, [Replicate()]).t()  # [n, 3], a view: strided on the workers
+            got, k = compiled(xd, dt.distribute_tensor(y, mesh, [Replicate()]))
+            want, want_k = _sizes_fn(x.t(), y)
+            torch.testing.assert_close(got.full_tensor(), want)
+            assert k == want_k
+    dt.sync()
+    assert not [r for r in caplog.records if "uncompiled" in r.getMessage()]
+    assert len(compiles) == 2  # one program, compiled once by each of the 2 workers
+    assert all(
+        any(isinstance(d, str) for spec in c if not isinstance(spec, str) for d in spec[0]) for c in compiles
+    )
+    symbolic = [g for g in compiled_graphs if g.symbolic]
+    assert symbolic and all(g.eager_calls == 0 and g.num_variants == 1 for g in symbolic)
+
+
+def test_symbolic_sizes_outside_a_compiled_variants_guard_compile_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inductor's conditions on the sizes (its guard: here, made to hold for sizes up to 6 only) are checked at
+    every call; a size outside every compiled variant's guard compiles another variant (one per worker), and
+    results stay equal to torch."""
+    from torch_dtorch import _compat
+
+    compiles: list[int] = []
+    real = _compat.inductor_compile_symbolic
+
+    def rows(xs: Any) -> int:
+        return int(next(a.shape[0] for a in xs if isinstance(a, torch.Tensor) and a.dim() == 2))
+
+    def bounded(gm: Any, inputs: Any, args: Any, **kwargs: Any) -> Any:
+        fn, _ = real(gm, inputs, args, **kwargs)
+        compiles.append(rows(args))
+        limit = 6 if rows(args) <= 6 else 10**9
+        return fn, (lambda xs: rows(xs) <= limit)
+
+    monkeypatch.setattr(_compat, "inductor_compile_symbolic", bounded)
+    mesh = dt.init_device_mesh("cpu", (2,))
+    compiled = torch.compile(
+        _sizes_fn, backend="dtorch", dynamic=True, options={"worker_compiler": "inductor"}
+    )
+    for n in (4, 5, 6, 7, 9, 5):
+        x, y = torch.randn(n, 3), torch.randn(2)
+        got, _ = compiled(
+            dt.distribute_tensor(x, mesh, [Replicate()]), dt.distribute_tensor(y, mesh, [Replicate()])
+        )
+        torch.testing.assert_close(got.full_tensor(), _sizes_fn(x, y)[0])
+    dt.sync()  # (a replicated result is fetched from one rank: the other's program may still run)
+    assert sorted(compiles) == [4, 4, 7, 7]  # per worker: the first size, then the first size past the guard
+
+
 def test_symbolic_sizes_on_a_sharded_operand_run_eagerly_and_say_so(
     compiled_graphs: list[Any], caplog: pytest.LogCaptureFixture
 ) -> None:

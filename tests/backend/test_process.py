@@ -100,3 +100,40 @@ def test_symbolic_sizes_ship_one_program_to_processes(mesh: dt.DeviceMesh) -> No
     symbolic = [r for r in reports if "symbolic" in str(r.local)]
     assert len(symbolic) == 1 and symbolic[0].error is None
     assert all(r.error is None for r in reports)
+
+
+def test_symbolic_sizes_with_the_workers_inductor_on_processes(mesh: dt.DeviceMesh) -> None:
+    """``worker_compiler="inductor"`` on worker processes: the graph program's size symbols travel with it
+    (``GraphSource.in_syms``); equal torch at every size."""
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (torch.sin(x) * x.shape[0] + y.sum()).view(-1, 3).T.contiguous()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="dtorch", dynamic=True, options={"worker_compiler": "inductor"})
+    for n in (4, 5, 6, 8):
+        x, y = torch.randn(n, 3), torch.randn(2)
+        got = compiled(
+            dt.distribute_tensor(x, mesh, [Replicate()]), dt.distribute_tensor(y, mesh, [Replicate()])
+        )
+        torch.testing.assert_close(got.full_tensor(), fn(x, y))
+
+
+def test_graph_program_size_symbols_cross_the_codec() -> None:
+    """``LoadGraphProgram``'s ``in_syms`` (per input: dims with symbol names and dtype, or a size's symbol) come out
+    of the process-mode codec as they went in."""
+    from torch_dtorch.backend.graph_program import GraphSource, LoadGraphProgram
+    from torch_dtorch.cluster.codec import BatchDecoder, BatchEncoder
+
+    mesh = dt.DeviceMesh.from_shape("cpu", (2,))
+    specs = (((1, "s0", 16), torch.bfloat16), "s0", ((4, 4), torch.float32))
+    src = GraphSource(
+        mesh,
+        (("p",), ("p",), ("p",), ("o", ())),
+        (((1, 3, 16), torch.bfloat16), None, ((4, 4), torch.float32)),
+        (),
+        specs,
+    )
+    (instr,) = BatchDecoder().decode(BatchEncoder().encode([LoadGraphProgram(7, src, "inductor")]))
+    assert isinstance(instr, LoadGraphProgram)
+    assert instr.source.in_syms == specs and instr.worker_compiler == "inductor"

@@ -45,7 +45,7 @@ from torch_dtorch._compat.frontend import (
     register_dynamo_backend,
     static_input_indices,
 )
-from torch_dtorch._compat.inductor import inductor_compile
+from torch_dtorch._compat.inductor import inductor_compile, inductor_compile_symbolic
 from torch_dtorch._compat.quantized import scaled_mm
 from torch_dtorch._compat.symbolic import sym_expr, sym_hint
 
@@ -64,6 +64,7 @@ __all__ = [
     "has_kernel_for_dispatch_key",
     "hide_from_dynamo",
     "inductor_compile",
+    "inductor_compile_symbolic",
     "is_alias_of",
     "is_fake_tensor",
     "keep_composites_whole",

@@ -89,3 +89,85 @@ def _ensure_cudagraph_tls() -> None:
     local.tree_manager_locks = collections.defaultdict(threading.Lock)
     torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
     torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
+
+
+#: one input of :func:`inductor_compile_symbolic`: a tensor's dims (an int: static; a str: the name of a size
+#: symbol) with its dtype, or a size input's symbol name (str)
+SymbolicInput = tuple[tuple[int | str, ...], torch.dtype] | str
+
+
+def inductor_compile_symbolic(
+    gm: Any,
+    inputs: Sequence[SymbolicInput],
+    example_args: Sequence[Any],
+    *,
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+) -> tuple[Callable[..., Any], Callable[[Sequence[Any]], bool] | None]:
+    """Compile an aten-level FX graph with symbolic sizes for every size, as inductor does under dynamo with
+    ``dynamic=True``: the inputs become fake tensors whose named dims are symbols (one symbol per name: dims that
+    share a name are equal at every call, which the caller guarantees), size inputs become SymInts.
+    ``example_args``: one call's real arguments (the symbols' hints, the tensors' device; every tensor input must
+    be contiguous, and so must later calls' be).
+
+    Returns the compiled callable (taking the real arguments positionally) and its *guard*: ``None``, or a
+    predicate on a call's arguments that is False where the compiled code does not hold — the conditions inductor
+    put on the sizes while compiling (a heuristic that holds below a bound, say), which dynamo would check at every
+    call and which the caller must check here. Wraps ``ShapeEnv``, ``FakeTensorMode`` and ``compile_fx``."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from torch_dtorch._compat.symbolic import sym_expr
+
+    shape_env = ShapeEnv()
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    symbols: dict[str, Any] = {}
+    #: per symbol: (sympy symbol, input index, dim or None for a size input)
+    binders: list[tuple[Any, int, int | None]] = []
+
+    def size(name: str, hint: int, where: tuple[int, int | None]) -> Any:
+        s = symbols.get(name)
+        if s is None:
+            source = ConstantSource(f"dtorch_{name}")
+            sym = shape_env.create_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            s = symbols[name] = shape_env.create_symintnode(sym, hint=hint, source=source)
+            binders.append((sym_expr(s), *where))
+        return s
+
+    fakes: list[Any] = []
+    for i, (spec, arg) in enumerate(zip(inputs, example_args, strict=True)):
+        if isinstance(spec, str):
+            fakes.append(size(spec, int(arg), (i, None)))
+            continue
+        dims, dtype = spec
+        if not isinstance(arg, torch.Tensor) or not arg.is_contiguous() or arg.dim() != len(dims):
+            raise ValueError(f"input {i}: a contiguous {len(dims)}-d tensor was expected")
+        shape = [
+            d if isinstance(d, int) else size(d, int(n), (i, k))
+            for k, (d, n) in enumerate(zip(dims, arg.shape, strict=True))
+        ]
+        strides: list[Any] = []
+        acc: Any = 1
+        for d in reversed(shape):
+            strides.append(acc)
+            acc = acc * d
+        with fake_mode:
+            fakes.append(torch.empty_strided(shape, tuple(reversed(strides)), dtype=dtype, device=arg.device))
+    table: dict[Any, Any] | None = None
+    if decompositions:
+        from torch._inductor.decomposition import select_decomp_table
+
+        table = {**select_decomp_table(), **decompositions}
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch.no_grad():
+        fn: Callable[..., Any] = compile_fx(gm, fakes, decompositions=table)  # type: ignore[assignment]
+    exprs = [g.expr for g in shape_env.guards]
+    if not exprs:
+        return fn, None
+
+    def guard(args: Sequence[Any]) -> bool:
+        env = {s: int(args[i]) if d is None else int(args[i].shape[d]) for s, i, d in binders}
+        return all(bool(e.xreplace(env)) for e in exprs)
+
+    return fn, guard

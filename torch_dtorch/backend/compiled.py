@@ -255,19 +255,20 @@ class CompiledGraph:
                 self.aten_text, inputs=_describe_key([x for x in operands if x is not None])
             )
             variant, why = plan_symbolic(
-                rt, self.gm, operands, args, self.options.redistribute, next(_PROGRAM_IDS), report
+                rt,
+                self.gm,
+                operands,
+                args,
+                self.options.redistribute,
+                next(_PROGRAM_IDS),
+                report,
+                worker_compiler=self.options.worker_compiler,
             )
             if variant is None:
                 self.eager_reason = why
                 report.error = why
                 self._publish(report)
                 return None
-            if self.options.worker_compiler != "eager":
-                log.info(
-                    "%s: a graph with symbolic sizes runs on the workers with the eager worker compiler, not %s",
-                    self.backend,
-                    self.options.worker_compiler,
-                )
             self._publish(report)
             self._sym_variants[key] = variant
             log.debug("%s: graph program %d for symbolic sizes", self.backend, variant.program_id)

@@ -80,6 +80,10 @@ class GraphSource:
     nodes: tuple[tuple[Any, ...], ...]
     in_meta: tuple[LocalMeta | None, ...]
     out_meta: tuple[LocalMeta, ...]
+    #: per input, what the workers' inductor compiles it as (``_compat.inductor_compile_symbolic``): a tensor's dims
+    #: (an int, or the name of the size symbol the controller's graph has there) and dtype, or a size input's
+    #: symbol name; empty where an input's size is not a plain symbol (the program then runs uncompiled)
+    in_syms: tuple[Any, ...] = ()
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -140,6 +144,7 @@ def graph_source(gm: fx.GraphModule, mesh: DeviceMesh, constants: Sequence[fx.No
     index: dict[fx.Node, int] = {}
     nodes: list[tuple[Any, ...]] = []
     in_meta: list[LocalMeta | None] = []
+    in_syms: list[Any] | None = []
     for n in [*placeholders, *constants]:
         index[n] = len(nodes)
         nodes.append(("p",))
@@ -148,6 +153,9 @@ def graph_source(gm: fx.GraphModule, mesh: DeviceMesh, constants: Sequence[fx.No
             in_meta.append((tuple(_compat.sym_hint(s) for s in val.shape), val.dtype))
         else:
             in_meta.append(None)
+        if in_syms is not None:
+            spec = _sym_spec(val)
+            in_syms = None if spec is None else [*in_syms, spec]
     out_meta: list[LocalMeta] = []
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
@@ -176,7 +184,25 @@ def graph_source(gm: fx.GraphModule, mesh: DeviceMesh, constants: Sequence[fx.No
         index[n] = len(nodes)
         args, kwargs = _portable((n.args, dict(n.kwargs)), index)
         nodes.append(("c", n.target, args, kwargs))
-    return GraphSource(mesh, tuple(nodes), tuple(in_meta), tuple(out_meta))
+    return GraphSource(mesh, tuple(nodes), tuple(in_meta), tuple(out_meta), tuple(in_syms or ()))
+
+
+def _sym_name(s: Any) -> int | str | None:
+    """A size as :attr:`GraphSource.in_syms` names it: an int, a plain symbol's name, or ``None`` (an expression)."""
+    if isinstance(s, int):
+        return s
+    e = _compat.sym_expr(s)
+    if getattr(e, "is_Integer", False):
+        return int(e)
+    return str(e) if getattr(e, "is_Symbol", False) else None
+
+
+def _sym_spec(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        dims = tuple(_sym_name(s) for s in val.shape)
+        return None if None in dims else (dims, val.dtype)
+    name = _sym_name(val) if isinstance(val, (int, torch.SymInt)) else None
+    return name if isinstance(name, str) else None
 
 
 def _local(value: Any, env: list[Any], device: torch.device) -> Any:
@@ -239,6 +265,7 @@ def build_graph_program(src: GraphSource, device: int, torch_device: torch.devic
         seg_out,
         src.in_meta,
         sym_inputs=src.sym_inputs,
+        sym_specs=src.in_syms,
     )
 
 
@@ -309,6 +336,19 @@ def _dec_meta(tree: Any) -> LocalMeta | None:
     return tuple(int(s) for s in tree[0]), dtype
 
 
+def _enc_spec(spec: Any) -> Any:
+    return spec if isinstance(spec, str) else [list(spec[0]), str(spec[1]).removeprefix("torch.")]
+
+
+def _dec_spec(tree: Any) -> Any:
+    if isinstance(tree, str):
+        return tree
+    dims = tuple(d if isinstance(d, str) else int(d) for d in tree[0])
+    meta = _dec_meta([[0] * len(dims), tree[1]])
+    assert meta is not None
+    return dims, meta[1]
+
+
 def _register_codecs() -> None:
     from torch_dtorch.cluster.codec.common import CodecError, register_codec
 
@@ -344,16 +384,18 @@ def _register_codecs() -> None:
             [enc_node(rec, ctx) for rec in src.nodes],
             [_enc_meta(m) for m in src.in_meta],
             [_enc_meta(m) for m in src.out_meta],
+            [_enc_spec(x) for x in src.in_syms],
         ]
 
     def dec_load(tree: Any, ctx: Any) -> LoadGraphProgram:
-        pid, compiler, mesh_tree, node_trees, in_trees, out_trees = tree
+        pid, compiler, mesh_tree, node_trees, in_trees, out_trees, spec_trees = tree
         mesh = ctx.mesh(mesh_tree)
         nodes = tuple(dec_node(t, ctx) for t in node_trees)
         if mesh is None:
             raise CodecError(f"LoadGraphProgram {pid}: no mesh")
         out_meta = tuple(m for t in out_trees if (m := _dec_meta(t)) is not None)
-        src = GraphSource(mesh, nodes, tuple(_dec_meta(t) for t in in_trees), out_meta)
+        specs = tuple(_dec_spec(t) for t in spec_trees)
+        src = GraphSource(mesh, nodes, tuple(_dec_meta(t) for t in in_trees), out_meta, specs)
         return LoadGraphProgram(int(pid), src, str(compiler))
 
     register_codec(LoadGraphProgram, tag="compile.graph", encode=enc_load, decode=dec_load)

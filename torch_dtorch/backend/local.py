@@ -157,6 +157,9 @@ class LocalProgram:
     names: dict[str, str] = field(default_factory=dict)
     #: inputs that are sizes (a graph with symbolic sizes): each call's ``RunProgram.sym_values``, in order
     sym_inputs: tuple[int, ...] = ()
+    #: a graph with symbolic sizes: per input, what the workers' inductor compiles it as (see
+    #: ``GraphSource.in_syms``); empty: inductor cannot compile it for every size
+    sym_specs: tuple[Any, ...] = ()
 
     def __str__(self) -> str:
         return format_local_program(self.graph)

@@ -8,7 +8,10 @@ always so on a 1-device mesh, and for replicated runs). Each rank's program is t
 ``RunProgram`` and the controller evaluates the outputs' symbolic shapes for that call. Otherwise (a sharded or
 partial operand) the graph keeps running its ops eagerly on dtorch tensors, logged once.
 
-The workers' inductor is not used for these programs: they run with the eager worker compiler (logged once).
+With ``worker_compiler="inductor"`` each worker compiles the program once for every size: its inputs become fake
+tensors whose dims are the graph's size symbols (``GraphSource.in_syms``, ``_compat.inductor_compile_symbolic``);
+where that cannot be done (an input size that is an expression, inductor guarding a size) the program runs as
+captured, logged once per program.
 """
 
 from __future__ import annotations
@@ -183,9 +186,12 @@ def plan_symbolic(
     policy: Any,
     program_id: int,
     report: CompileReport,
+    *,
+    worker_compiler: str = "eager",
 ) -> tuple[SymbolicVariant | None, str]:
-    """Propagate ``gm`` for this call's sizes; where sound, ship its graph program. Returns the variant, or
-    ``None`` and why the graph runs eagerly (the log's and the report's text)."""
+    """Propagate ``gm`` for this call's sizes; where sound, ship its graph program (run by ``worker_compiler``:
+    ``"inductor"`` compiles it once for every size). Returns the variant, or ``None`` and why the graph runs
+    eagerly (the log's and the report's text)."""
     failed = False
     try:
         prop = propagate(
@@ -194,7 +200,7 @@ def plan_symbolic(
         report.logical = str(prop.graph)
         why = unsafe_reason(prop)
         if why is None:
-            variant = build_symbolic(rt, gm, prop, program_id, "eager")
+            variant = build_symbolic(rt, gm, prop, program_id, worker_compiler)
             report.local = {d: "the captured graph (symbolic sizes)" for d in prop.mesh.root.devices}
             return variant, ""
     except Exception as e:  # noqa: BLE001 - any failure keeps the eager fallback, logged with its reason

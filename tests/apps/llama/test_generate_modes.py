@@ -61,9 +61,10 @@ def _check_generate(model: Any, sizes: TinyLlama, *, calls: int = 1) -> None:
         assert torch.equal(dt.to_torch(tokens), ref.tokens)
 
 
-def _compiled(model: Any) -> Any:
+def _compiled(model: Any, options: dict[str, Any] | None = None) -> Any:
     torch._dynamo.reset()
-    model.forward = torch.compile(model.forward, backend="dtorch")  # HF's way: generate calls self.forward
+    # HF's way: generate calls self.forward
+    model.forward = torch.compile(model.forward, backend="dtorch", options=options)
     return model
 
 
@@ -119,11 +120,26 @@ def test_process_mode_compiled_generate(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_compiled_decode_replays_one_program(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("mode", "worker_compiler"), [("thread", "eager"), ("process", "eager"), ("thread", "inductor")]
+)
+def test_compiled_decode_replays_one_program(
+    mode: str, worker_compiler: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a 1-device mesh the decode graph with the symbolic KV length (dynamo's third graph) ships one program:
-    tokens and logits equal torch, and no call of a graph with symbolic sizes runs its ops eagerly."""
+    tokens and logits equal torch, and no call of a graph with symbolic sizes runs its ops eagerly. With the
+    workers' inductor, the worker compiles that program once, for every KV length."""
+    from torch_dtorch import _compat
     from torch_dtorch.backend.compiled import CompiledGraph
+
+    compiles: list[Any] = []
+    real = _compat.inductor_compile_symbolic
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        compiles.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_compat, "inductor_compile_symbolic", counting)
 
     made: list[CompiledGraph] = []
     init = CompiledGraph.__init__
@@ -139,10 +155,12 @@ def test_compiled_decode_replays_one_program(mode: str, monkeypatch: pytest.Monk
         dt.shutdown()
     try:
         model = parallelize_llama(fresh_model(SIZES_2), make_mesh({}, mode=mode))
-        _check_generate(_compiled(model), SIZES_2, calls=2)
+        _check_generate(_compiled(model, {"worker_compiler": worker_compiler}), SIZES_2, calls=2)
     finally:
         if mode == "process":
             dt.shutdown()
+    if worker_compiler == "inductor":  # one symbolic program, compiled once (its KV length a symbol)
+        assert len(compiles) == 1 and any(isinstance(spec, str) for spec in compiles[0]), compiles
     symbolic = [g for g in made if g.symbolic]
     assert symbolic, "dynamo compiled no decode graph with symbolic sizes"
     assert [g.eager_calls for g in symbolic] == [0] * len(symbolic)
