@@ -18,6 +18,7 @@ from torch_dtorch import Partial, Replicate, Shard
 from torch_dtorch.device.dispatch import operand_of
 from torch_dtorch.device.state import get_session
 from torch_dtorch.errors import BackwardNotSupportedError
+from torch_dtorch.nn import replicate_module
 
 R = Replicate()
 
@@ -331,3 +332,28 @@ def test_vocab_parallel_embedding_gradient_is_born_sharded(mesh_shape: tuple[int
         out.pow(2).sum().backward()
         assert w.grad.placements == w.placements
         torch.testing.assert_close(w.grad.full_tensor(), ref.grad)
+
+
+@thread_only  # reads the worker threads' blobs
+@pytest.mark.parametrize("shape", [(1,), (2,)], ids=["1dev", "2dev"])
+def test_weight_gradients_take_their_parameters_layout_on_the_workers(shape: tuple[int, ...]) -> None:
+    """A ``Linear`` weight's gradient arrives through ``t()``'s backward as a transposed view. torch's
+    ``AccumulateGrad`` stores it with the parameter's strides (a copy); dtorch tensors report contiguous strides,
+    so the parameters' gradient hook makes that copy: on every worker the gradient is laid out as the parameter
+    (else the optimizer's ``_foreach_*`` kernels fall back to one strided kernel per tensor). Values equal torch."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(ref.state_dict())
+    mesh = init_mesh(shape)
+    replicate_module(model, mesh)
+    x = torch.randn(6, 8)
+    ref(x).square().sum().backward()
+    model(dt.distribute_tensor(x, mesh, [Replicate()] * len(shape))).square().sum().backward()
+    dt.sync()
+    workers = get_session().executor.runner.workers
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+        for d in mesh.devices:
+            local = workers[d].blobs[operand_of(p.grad).id].tensor
+            assert local.stride() == q.grad.stride(), (name, d, local.stride(), q.grad.stride())
