@@ -38,6 +38,7 @@ def dtype_str(dtype: torch.dtype) -> str:
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (torch's: a dim of size 0 or 1 steps as if it were 1)."""
     strides: list[int] = []
     acc = 1
     for s in reversed(shape):

@@ -25,27 +25,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch_dtorch.graph.operand import contiguous_strides
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Replicate
 from torch_dtorch.placement_rules.call import OpCall
 from torch_dtorch.placement_rules.matcher import Match
 
-__all__ = ["bucket", "contiguous_strides", "free_decision", "is_contiguous", "stride_class"]
+__all__ = ["bucket", "free_decision", "is_contiguous", "stride_class"]
 
 
 def bucket(n: int, mesh: DeviceMesh) -> int:
     """A length as a decision can see it: exact below ``max(2, largest mesh axis)``, that cap above (see the module
     docstring)."""
     return min(n, max(2, *mesh.shape))
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (torch's: a dim of size 0 or 1 steps as if it were 1)."""
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:

@@ -56,6 +56,7 @@ from torch_dtorch.backend.place import mesh_key, place
 from torch_dtorch.device.heap import freeze_startup_heap
 from torch_dtorch.device.tensors import is_dtorch
 from torch_dtorch.errors import PipelineParallelError
+from torch_dtorch.graph.operand import contiguous_strides
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement, Replicate, Shard
 
@@ -161,9 +162,7 @@ class _Runner:
         if hit is not None and hit[0]() is x and hit[1] == x._version:
             return hit[2]
         dense = x
-        if x.stride() != _contiguous_strides(
-            x.shape
-        ):  # e.g. an expanded timestep: the wire wants dense bytes
+        if x.stride() != contiguous_strides(x.shape):  # e.g. an expanded timestep: the wire wants dense bytes
             dense = x.clone(memory_format=torch.contiguous_format)
         placed = dt.distribute_tensor(dense, self.plan.mesh, self.placements(name, x))
         self.cache[name] = (weakref.ref(x), x._version, placed)
@@ -222,14 +221,6 @@ def _keep_sequence_sharded(transformer: nn.Module, plan: MeshPlan) -> None:
             # a step cache holds every block itself (CachedBlocks): hook the blocks inside it
             for inner in block.blocks if isinstance(block, CachedBlocks) else (block,):
                 inner.register_forward_hook(hook)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _mesh_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -45,12 +45,13 @@ import torch
 
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.graph import AssignInfo, Operand, OperatorCost, TensorMeta
+from torch_dtorch.graph.operand import contiguous_strides
 from torch_dtorch.ops.cost import traffic_cost
 from torch_dtorch.placement import Placement, Placements, Replicate, Shard, local_shape_and_offset
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.families.comm import device_comm, exchange, register_comm_kernel
 from torch_dtorch.placement_rules.families.view import distinct_partials, norm_dim
-from torch_dtorch.placement_rules.growth import bucket, contiguous_strides, free_decision, is_contiguous
+from torch_dtorch.placement_rules.growth import bucket, free_decision, is_contiguous
 from torch_dtorch.placement_rules.matcher import Match
 from torch_dtorch.placement_rules.rule import OpPlan, OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
