@@ -22,6 +22,7 @@ from torch_dtorch.executor.constructor import GraphConstructor
 from torch_dtorch.graph import LogicalGraph, Operand, Operator
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements, Replicate
+from torch_dtorch.placement_rules.families.backward import MASKED_OUTPUT_OPS, present_outputs
 
 __all__ = ["InputSpec", "Propagated", "UnsupportedGraphError", "propagate"]
 
@@ -262,7 +263,15 @@ def propagate(
                 # dynamic (a changed ``lr``) arrives as a 0-d float64 input and is cast before it meets a tensor
                 env[node] = con.call(torch.ops.aten._to_copy.default, args[0], dtype=args[1])
             elif isinstance(node.target, torch._ops.OpOverload):
-                env[node] = con.call(node.target, *args, **kwargs)
+                out = con.call(node.target, *args, **kwargs)
+                if (
+                    node.target in MASKED_OUTPUT_OPS
+                ):  # the operator holds the present outputs; getitem counts all
+                    present = iter(out if isinstance(out, (list, tuple)) else [out])
+                    out = tuple(
+                        next(present) if p else None for p in present_outputs(node.target, args, kwargs)
+                    )
+                env[node] = out
             else:
                 raise UnsupportedGraphError(
                     f"{node.format_node()}: {node.target} is not an aten overload (higher-order ops and Python "

@@ -76,12 +76,16 @@ def compile_training(
         )
 
     decompositions = [op for op in TRAINING_DECOMPOSITIONS if not has_rule(op)]
+    # workers that compile with inductor save what inductor saves: its min-cut partitioner recomputes cheap
+    # pointwise ops in the backward (they fuse there) instead of keeping their outputs alive from the forward
+    partition_fn = _compat.min_cut_partition() if options.worker_compiler == "inductor" else None
     return capture(
         gm,
         example_inputs,
         fw_compiler,
         decompositions=(*decompositions, *options.decompositions),
         bw_compiler=bw_compiler,
+        partition_fn=partition_fn,
     )
 
 
