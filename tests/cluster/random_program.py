@@ -19,7 +19,7 @@ import torch
 import torch_dtorch as dt
 from torch_dtorch import Replicate, Shard
 
-__all__ = ["make_program", "run_dtorch", "run_torch"]
+__all__ = ["apply_step", "eager_step", "make_program", "run_dtorch", "run_torch"]
 
 SHAPE = (8, 6)
 SLOTS = 6
@@ -55,35 +55,50 @@ def make_program(seed: int, steps: int) -> list[tuple[Any, ...]]:
     ]
     live = set(range(SLOTS))
     for _ in range(steps):
-        r = rng.random()
-        if not live:
-            s = rng.randrange(SLOTS)
-            prog.append(("init", s, rng.randrange(1 << 30), rng.random() < 0.5))
-            live.add(s)
-            continue
-        src = rng.choice(sorted(live))
-        dst = rng.randrange(SLOTS)
-        if r < 0.3:
-            prog.append(("un", dst, src, rng.randrange(len(UNARY))))
-            live.add(dst)
-        elif r < 0.55:
-            prog.append(("bin", dst, src, rng.choice(sorted(live)), rng.randrange(len(BINARY))))
-            live.add(dst)
-        elif r < 0.75:
-            prog.append(("chain", src, rng.randrange(len(UNARY) - 1), rng.randrange(2, 40)))
-            if rng.random() < 0.25:
-                prog.append(("scalar", src, rng.choice([0.25, -0.5, 0.125]), rng.randrange(1, 6)))
-        elif r < 0.8:
-            prog.append(("inplace", src))
-        elif r < 0.88:
-            prog.append(("free", src))
-            live.discard(src)
-        elif r < 0.93:
-            prog.append(("move", src, rng.random() < 0.5))
-        else:
-            prog.append(("fetch", src))
+        eager_step(rng, prog, live)
     prog.extend(("fetch", s) for s in sorted(live))
     return prog
+
+
+def eager_step(
+    rng: random.Random,
+    prog: list[tuple[Any, ...]],
+    live: set[int],
+    *,
+    place: Callable[[], Any] | None = None,
+    max_chain: int = 40,
+) -> None:
+    """Append one random eager step to ``prog`` (``live``: the slots holding a tensor, updated). ``place``: draws
+    the placement code of an ``init`` or ``move`` (default: Shard(0) or Replicate, ``True`` / ``False``);
+    ``max_chain``: chains are shorter than this."""
+    place = place or (lambda: rng.random() < 0.5)
+    r = rng.random()
+    if not live:
+        s = rng.randrange(SLOTS)
+        prog.append(("init", s, rng.randrange(1 << 30), place()))
+        live.add(s)
+        return
+    src = rng.choice(sorted(live))
+    dst = rng.randrange(SLOTS)
+    if r < 0.3:
+        prog.append(("un", dst, src, rng.randrange(len(UNARY))))
+        live.add(dst)
+    elif r < 0.55:
+        prog.append(("bin", dst, src, rng.choice(sorted(live)), rng.randrange(len(BINARY))))
+        live.add(dst)
+    elif r < 0.75:
+        prog.append(("chain", src, rng.randrange(len(UNARY) - 1), rng.randrange(2, max_chain)))
+        if rng.random() < 0.25:
+            prog.append(("scalar", src, rng.choice([0.25, -0.5, 0.125]), rng.randrange(1, 6)))
+    elif r < 0.8:
+        prog.append(("inplace", src))
+    elif r < 0.88:
+        prog.append(("free", src))
+        live.discard(src)
+    elif r < 0.93:
+        prog.append(("move", src, place()))
+    else:
+        prog.append(("fetch", src))
 
 
 def _init(seed: int) -> torch.Tensor:
@@ -91,40 +106,57 @@ def _init(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=g)
 
 
+def apply_step(
+    step: tuple[Any, ...],
+    slots: dict[int, Any],
+    out: list[torch.Tensor],
+    make: Callable[[torch.Tensor, Any], Any],
+    move: Callable[[Any, Any], Any],
+    fetch: Callable[[Any], torch.Tensor],
+) -> bool:
+    """Run one step of :func:`make_program` on ``slots`` (fetched values appended to ``out``); ``False``: a step
+    of another kind (left to the caller)."""
+    kind = step[0]
+    if kind == "init":
+        slots[step[1]] = make(_init(step[2]), step[3])
+    elif kind == "un":
+        slots[step[1]] = UNARY[step[3]][1](slots[step[2]])
+    elif kind == "bin":
+        slots[step[1]] = BINARY[step[4]][1](slots[step[2]], slots[step[3]])
+    elif kind == "chain":
+        x, fn = slots[step[1]], UNARY[step[2]][1]
+        for _ in range(step[3]):
+            x = fn(x)
+        slots[step[1]] = x
+    elif kind == "scalar":
+        x = slots[step[1]]
+        for i in range(step[3]):
+            x = (x * torch.tensor(step[2] * (i + 1))).tanh() + x
+        slots[step[1]] = x
+    elif kind == "inplace":
+        slots[step[1]].mul_(0.75).add_(0.125)
+    elif kind == "free":
+        del slots[step[1]]  # the last reference: the workers free its blobs (a Free record)
+    elif kind == "move":
+        slots[step[1]] = move(slots[step[1]], step[2])
+    elif kind == "fetch":
+        out.append(fetch(slots[step[1]]))
+    else:
+        return False
+    return True
+
+
 def _run(
     prog: list[tuple[Any, ...]],
-    make: Callable[[torch.Tensor, bool], Any],
-    move: Callable[[Any, bool], Any],
+    make: Callable[[torch.Tensor, Any], Any],
+    move: Callable[[Any, Any], Any],
     fetch: Callable[[Any], torch.Tensor],
 ) -> list[torch.Tensor]:
     slots: dict[int, Any] = {}
     out: list[torch.Tensor] = []
     for step in prog:
-        kind = step[0]
-        if kind == "init":
-            slots[step[1]] = make(_init(step[2]), step[3])
-        elif kind == "un":
-            slots[step[1]] = UNARY[step[3]][1](slots[step[2]])
-        elif kind == "bin":
-            slots[step[1]] = BINARY[step[4]][1](slots[step[2]], slots[step[3]])
-        elif kind == "chain":
-            x, fn = slots[step[1]], UNARY[step[2]][1]
-            for _ in range(step[3]):
-                x = fn(x)
-            slots[step[1]] = x
-        elif kind == "scalar":
-            x = slots[step[1]]
-            for i in range(step[3]):
-                x = (x * torch.tensor(step[2] * (i + 1))).tanh() + x
-            slots[step[1]] = x
-        elif kind == "inplace":
-            slots[step[1]].mul_(0.75).add_(0.125)
-        elif kind == "free":
-            del slots[step[1]]  # the last reference: the workers free its blobs (a Free record)
-        elif kind == "move":
-            slots[step[1]] = move(slots[step[1]], step[2])
-        elif kind == "fetch":
-            out.append(fetch(slots[step[1]]))
+        if not apply_step(step, slots, out, make, move, fetch):
+            raise ValueError(f"unknown step {step!r}")
     return out
 
 

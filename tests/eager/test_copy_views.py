@@ -247,6 +247,36 @@ def test_writes_through_a_copy_view_still_raise() -> None:
         y[0].fill_(1.0)
 
 
+@pytest.mark.parametrize("view", ["t", "tt", "slice_all", "view", "unsqueeze"])
+@pytest.mark.parametrize("api", ["method", "dt.redistribute", "distribute_tensor"])
+def test_writes_through_a_view_of_an_explicit_redistribute_land_in_it(view: str, api: str) -> None:
+    """``y = x.redistribute(...)`` is a tensor of its own (as upstream's DTensor.redistribute), not a copy standing
+    in for ``x``: an in-place write through a view of ``y`` writes ``y`` (and leaves ``x``). It was refused as "a
+    view of a redistributed copy" (found by tests/cluster/test_mixed_programs.py)."""
+    views: dict[str, Fn] = {
+        "t": lambda t: t.t(),
+        "tt": lambda t: t.t().t(),
+        "slice_all": lambda t: t[:],
+        "view": lambda t: t.view(5, 6),
+        "unsqueeze": lambda t: t.unsqueeze(0)[0],
+    }
+    mesh = init_mesh((2,))
+    a = torch.randn(5, 6)
+    x = dt.distribute_tensor(a, mesh, [Shard(0)])
+    if api == "method":
+        y = x.redistribute(mesh, [Replicate()])
+    elif api == "dt.redistribute":
+        y = dt.redistribute(x, mesh, [Replicate()])
+    else:
+        y = dt.distribute_tensor(x, mesh, [Replicate()])
+    v = views[view](y)
+    v.mul_(0.5)  # the full path, then (warm) the fast path
+    v.add_(1.0)
+    assert torch.equal(y.full_tensor(), a * 0.5 + 1.0)
+    assert torch.equal(v.full_tensor(), views[view](a * 0.5 + 1.0))
+    assert torch.equal(x.full_tensor(), a)
+
+
 def test_no_copy_view_no_refresh() -> None:
     """Writes to tensors without copy-views plan nothing extra (the registry's hooks are skipped)."""
     mesh = init_mesh((2,))

@@ -66,4 +66,6 @@ def move(
     mesh = device_mesh if device_mesh is not None else operand.mesh
     assert mesh is not None
     placements = placements if placements is not None else [Replicate()] * mesh.ndim
-    return wrap(rt, rt.executor.redistribute(operand, placements, device_mesh=mesh))
+    # a new tensor (as upstream's DTensor.redistribute), not a copy standing in for ``t``: an in-place write through
+    # a view of it lands in it (only writes meant for ``t`` that would land in such a copy are refused)
+    return wrap(rt, rt.executor.redistribute(operand, placements, device_mesh=mesh, copy=False))

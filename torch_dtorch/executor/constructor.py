@@ -306,9 +306,16 @@ class GraphConstructor:
         return outputs
 
     def redistribute(
-        self, x: Operand, placements: Sequence[Placement], *, device_mesh: DeviceMesh | None = None
+        self,
+        x: Operand,
+        placements: Sequence[Placement],
+        *,
+        device_mesh: DeviceMesh | None = None,
+        copy: bool = True,
     ) -> Operand:
-        """Explicit redistribute (``x.redistribute(mesh, placements)``); also moves between meshes (stages)."""
+        """Explicit redistribute (``x.redistribute(mesh, placements)``); also moves between meshes (stages).
+        ``copy=False``: the result is a tensor of its own (the user's ``x.redistribute(...)``), not a copy standing
+        in for ``x`` (see :func:`_check_write_reaches_base`): writes through its views land in it."""
         if x.mesh is None:
             raise ValueError(
                 f"redistribute: {x.describe()} is not bound to a mesh yet; use it with a mesh first"
@@ -318,18 +325,18 @@ class GraphConstructor:
             placements, ndim=x.ndim, mesh_ndim=mesh.ndim, what=f"redistribute of {x.name}"
         )
         return self.redistribute_by_spec(
-            x, redistribute_spec(x, mesh, mesh.to_root_placements(pl), user_mesh=mesh)
+            x, redistribute_spec(x, mesh, mesh.to_root_placements(pl), user_mesh=mesh), copy=copy
         )
 
-    def redistribute_by_spec(self, x: Operand, spec: RedistributeSpec) -> Operand:
+    def redistribute_by_spec(self, x: Operand, spec: RedistributeSpec, *, copy: bool = True) -> Operand:
         """:meth:`redistribute` of a planned ``spec`` (memory pre-check included); returns the new operand."""
         guard = self.memory
         if guard is None:
-            return self.emit_redistribute(x, spec)
+            return self.emit_redistribute(x, spec, copy=copy)
         out_root = spec.out_mesh.root
         per = shard_bytes(x.shape, x.dtype, out_root, spec.out_mesh.to_root_placements(spec.out_placements))
         guard.check("redistribute", [(f"{x.describe()} -> {placements_str(spec.out_placements)}", per)])
-        y = self.emit_redistribute(x, spec)
+        y = self.emit_redistribute(x, spec, copy=copy)
         guard.track(y.id, per)
         return y
 
@@ -344,12 +351,14 @@ class GraphConstructor:
     ) -> Operand:
         return self.emit_redistribute(x, redistribute_spec(x, mesh, root_placements, user_mesh=user_mesh))
 
-    def emit_redistribute(self, x: Operand, spec: RedistributeSpec) -> Operand:
-        """Add the redistribute operator ``spec`` describes for ``x``; returns the re-laid-out operand."""
+    def emit_redistribute(self, x: Operand, spec: RedistributeSpec, *, copy: bool = True) -> Operand:
+        """Add the redistribute operator ``spec`` describes for ``x``; returns the re-laid-out operand (``copy``:
+        a copy standing in for ``x``, its ``copy_of``)."""
         y = self.graph.new_operand(
             TensorMeta(x.shape, x.dtype), spec.out_mesh, spec.out_placements, requires_grad=x.requires_grad
         )
-        y.copy_of = x
+        if copy:
+            y.copy_of = x
         self._emit(REDISTRIBUTE, **spec.operator_fields(x, y))
         return y
 

@@ -157,12 +157,18 @@ class EagerGraphExecutor:
             return out
 
     def redistribute(
-        self, x: Operand, placements: Sequence[Placement], device_mesh: DeviceMesh | None = None
+        self,
+        x: Operand,
+        placements: Sequence[Placement],
+        device_mesh: DeviceMesh | None = None,
+        *,
+        copy: bool = True,
     ) -> Operand:
-        """Record ``x.redistribute(device_mesh, placements)``; returns the new operand at once."""
+        """Record ``x.redistribute(device_mesh, placements)``; returns the new operand at once (``copy=False``: a
+        tensor of its own, see :meth:`GraphConstructor.redistribute`)."""
         with self._lock:
             self._check_open()
-            return self.constructor.redistribute(x, placements, device_mesh=device_mesh)
+            return self.constructor.redistribute(x, placements, device_mesh=device_mesh, copy=copy)
 
     def append_instruction(self, instr: Instruction) -> None:
         """Queue an instruction of another layer (e.g. the compile backend's ``RunProgram``) in issue order."""

@@ -89,8 +89,9 @@ class Operand:
     view: ViewInfo | None = None
     requires_grad: bool = False
     tag: str | None = None
-    #: set on the output of a redistribute: the operand it is a re-laid-out copy of (a write to it or its views
-    #: does not reach the original)
+    #: set on the output of a redistribute that stands in for its input (a moved op input, a view op's moved input):
+    #: the operand it is a re-laid-out copy of (a write to it or its views does not reach the original); not on an
+    #: explicit ``x.redistribute(...)``, a tensor of its own
     copy_of: Operand | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
