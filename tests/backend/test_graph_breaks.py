@@ -187,22 +187,6 @@ def test_plain_inputs_with_symbolic_sizes() -> None:
         assert torch.equal(compiled(x), fn(x))
 
 
-@pytest.fixture
-def compiled_graphs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every :class:`CompiledGraph` the backend makes during the test."""
-    from torch_dtorch.backend.compiled import CompiledGraph
-
-    made: list[Any] = []
-    init = CompiledGraph.__init__
-
-    def record(self: CompiledGraph, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(CompiledGraph, "__init__", record)
-    return made
-
-
 def _sizes_fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
     z = torch.sin(x) * x.shape[0] + y.sum()
     return z.view(-1, 3).T.contiguous(), z.shape[0] + 1  # a symbolic view, a transposed output, a size output
@@ -236,21 +220,11 @@ def test_symbolic_sizes_on_whole_operands_run_one_shipped_program(
 
 
 def test_symbolic_sizes_compile_once_with_the_workers_inductor(
-    compiled_graphs: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    compiled_graphs: list[Any], symbolic_compiles: list[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """``worker_compiler="inductor"``: each worker compiles the graph program of a graph with symbolic sizes once,
     for every size (its inputs' dims are the graph's size symbols), not per size and not left uncompiled; a
     non-contiguous input (a transposed view) is made contiguous for it. Results equal torch at every size."""
-    from torch_dtorch import _compat
-
-    compiles: list[Any] = []
-    real = _compat.inductor_compile_symbolic
-
-    def counting(gm: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        compiles.append(tuple(inputs))
-        return real(gm, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(_compat, "inductor_compile_symbolic", counting)
     mesh = dt.init_device_mesh("cpu", (2,))
     options = {"worker_compiler": "inductor"}
     compiled = torch.compile(_sizes_fn, backend="dtorch", dynamic=True, options=options)
@@ -264,9 +238,10 @@ def test_symbolic_sizes_compile_once_with_the_workers_inductor(
             assert k == want_k
     dt.sync()
     assert not [r for r in caplog.records if "uncompiled" in r.getMessage()]
-    assert len(compiles) == 2  # one program, compiled once by each of the 2 workers
+    assert len(symbolic_compiles) == 2  # one program, compiled once by each of the 2 workers
     assert all(
-        any(isinstance(d, str) for spec in c if not isinstance(spec, str) for d in spec[0]) for c in compiles
+        any(isinstance(d, str) for spec in c if not isinstance(spec, str) for d in spec[0])
+        for c in symbolic_compiles
     )
     symbolic = [g for g in compiled_graphs if g.symbolic]
     assert symbolic and all(g.eager_calls == 0 and g.num_variants == 1 for g in symbolic)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -174,3 +174,30 @@ def run_dtorch(prog: list[tuple[Any, ...]], mesh: dt.DeviceMesh) -> list[torch.T
         lambda x, s: x.redistribute(mesh, placements(s)),
         lambda x: x.full_tensor(),
     )
+
+
+class Counting:
+    """Counts the hit-record words and JSON instructions of every batch the runner encodes."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.words = 0
+        self.batches = 0
+        self._encode = runner._encoder.encode
+
+    def see(self, batch: Any) -> None:
+        """Look at each batch before it is encoded (subclasses count instructions)."""
+
+    def __enter__(self) -> Self:
+        def encode(batch: Any) -> Any:
+            self.see(batch)
+            tree = self._encode(batch)
+            self.batches += 1
+            self.words += len(tree[7] or b"") // 8
+            return tree
+
+        self.runner._encoder.encode = encode  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.runner._encoder.encode

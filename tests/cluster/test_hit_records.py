@@ -5,13 +5,12 @@ process mode with every instruction as JSON, thread mode and plain torch — fix
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 
 import torch_dtorch as dt
-from tests.cluster.random_program import make_program, run_dtorch, run_torch
+from tests.cluster.random_program import Counting, make_program, run_dtorch, run_torch
 from torch_dtorch import Shard
 from torch_dtorch.cluster.runner import ClusterRunner
 from torch_dtorch.device.state import get_session
@@ -30,29 +29,6 @@ def thread_results() -> dict[tuple[int, int], list[torch.Tensor]]:
             out[seed, n] = run_dtorch(make_program(seed, STEPS), mesh)
     dt.shutdown()
     return out
-
-
-class Counting:
-    """Counts the hit-record words and JSON instructions of every batch the runner encodes."""
-
-    def __init__(self, runner: ClusterRunner) -> None:
-        self.runner = runner
-        self.words = 0
-        self.batches = 0
-        self._encode = runner._encoder.encode
-
-    def __enter__(self) -> Counting:
-        def encode(batch: Any) -> Any:
-            tree = self._encode(batch)
-            self.batches += 1
-            self.words += len(tree[7] or b"") // 8
-            return tree
-
-        self.runner._encoder.encode = encode  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        del self.runner._encoder.encode
 
 
 @pytest.fixture

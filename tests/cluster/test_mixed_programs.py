@@ -25,6 +25,7 @@ import torch
 
 import torch_dtorch as dt
 from tests.cluster.random_mixed_program import MODES, Result, make_mixed_program, run_mixed
+from tests.cluster.random_program import Counting
 from torch_dtorch.backend.graph_program import LoadGraphProgram
 from torch_dtorch.backend.program import LoadProgram, UnloadProgram
 from torch_dtorch.cluster.runner import ClusterRunner
@@ -52,18 +53,15 @@ def _fresh() -> Iterator[None]:
         mp.undo()
 
 
-class Wire:
-    """Watches the batches a process-mode runner encodes: hit-record words, ``LoadProgram`` / ``LoadGraphProgram``
-    / ``UnloadProgram`` instructions, and eager outputs whose id an earlier ``LoadProgram`` defined as one of its
-    program's own operands (``reused``)."""
+class Wire(Counting):
+    """Counts hit-record words, program loads/unloads, and eager outputs that reuse an id a ``LoadProgram`` defined."""
 
     def __init__(self, runner: ClusterRunner) -> None:
-        self.runner = runner
-        self._encode = runner._encoder.encode
-        self.words = self.loads = self.graph_loads = self.unloads = self.reused = 0
+        super().__init__(runner)
+        self.loads = self.graph_loads = self.unloads = self.reused = 0
         self._program_ids: set[int] = set()
 
-    def _see(self, batch: Any) -> None:
+    def see(self, batch: Any) -> None:
         for instr in batch:
             t = type(instr)
             if t is FastRun:
@@ -82,19 +80,6 @@ class Wire:
                 self.graph_loads += 1
             elif t is UnloadProgram:
                 self.unloads += 1
-
-    def __enter__(self) -> Wire:
-        def encode(batch: Any) -> Any:
-            self._see(batch)
-            tree = self._encode(batch)
-            self.words += len(tree[7] or b"") // 8
-            return tree
-
-        self.runner._encoder.encode = encode  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        del self.runner._encoder.encode
 
     def __repr__(self) -> str:
         return (

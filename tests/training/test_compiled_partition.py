@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 import torch_dtorch as dt
-from torch_dtorch.backend.compiled import CompiledGraph
 from torch_dtorch.nn import replicate_module
 
 
@@ -28,15 +26,8 @@ class Block(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(h) * torch.sigmoid(h) * 0.5)
 
 
-def _saved(worker_compiler: str, monkeypatch: pytest.MonkeyPatch) -> int:
-    made: list[CompiledGraph] = []
-    init = CompiledGraph.__init__
-
-    def record(self: CompiledGraph, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(CompiledGraph, "__init__", record)
+def _saved(worker_compiler: str, compiled_graphs: list[Any]) -> int:
+    first = len(compiled_graphs)
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref, model = Block(), Block()
@@ -49,12 +40,12 @@ def _saved(worker_compiler: str, monkeypatch: pytest.MonkeyPatch) -> int:
     compiled(dt.distribute_tensor(x, mesh)).square().mean().backward()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
-    forward = made[0]
+    forward = compiled_graphs[first]
     (outputs,) = [n.args[0] for n in forward.gm.graph.nodes if n.op == "output"]
     return len(outputs) - 1  # the rest are the tensors saved for the backward
 
 
-def test_inductor_workers_save_what_inductor_saves(monkeypatch: pytest.MonkeyPatch) -> None:
-    eager = _saved("eager", monkeypatch)
-    inductor = _saved("inductor", monkeypatch)
+def test_inductor_workers_save_what_inductor_saves(compiled_graphs: list[Any]) -> None:
+    eager = _saved("eager", compiled_graphs)
+    inductor = _saved("inductor", compiled_graphs)
     assert inductor < eager, (inductor, eager)

@@ -13,7 +13,6 @@ posts the error on the runner's poison board so that ranks that received its dat
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -22,7 +21,6 @@ from typing import Any
 
 import torch
 
-from torch_dtorch import _compat
 from torch_dtorch.backend.local import (
     CollectiveStep,
     KernelStep,
@@ -33,8 +31,8 @@ from torch_dtorch.backend.local import (
     SlotRef,
     build_local_program,
 )
+from torch_dtorch.backend.segment_compile import compile_segment as _compile_segment
 from torch_dtorch.executor.worker import Worker, register_instruction
-from torch_dtorch.ops.decompositions import inductor_decompositions_for
 from torch_dtorch.runtime import op_runner
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.sticky import StickyCall, call_hooks, kernel_error
@@ -123,7 +121,6 @@ class _Failed:
 
 
 _PROGRAMS: weakref.WeakKeyDictionary[Worker, dict[int, _Loaded | _Failed]] = weakref.WeakKeyDictionary()
-_COMPILE_LOCK = threading.Lock()  # inductor is not re-entrant across worker threads
 
 
 def _table(worker: Worker) -> dict[int, _Loaded | _Failed]:
@@ -190,77 +187,6 @@ def _zeros(meta: LocalMeta | None, device: torch.device) -> torch.Tensor | None:
     if meta is None:
         return None
     return torch.zeros(meta[0], dtype=meta[1], device=device)
-
-
-def _compile_segment(
-    loaded: _Loaded, index: int, seg: Segment, args: Sequence[torch.Tensor]
-) -> Callable[..., Any]:
-    if loaded.program.sym_inputs:
-        fn = _compile_symbolic_segment(loaded, seg, args)
-        loaded.fns[index] = fn
-        return fn
-    mode = "reduce-overhead" if loaded.cudagraphs and args and args[0].is_cuda else None
-    # the segment's inputs that are static program inputs (a program input's slot is its index)
-    static = [i for i, s in enumerate(seg.in_slots) if s in loaded.static]
-    with _COMPILE_LOCK:
-        fn = _compat.inductor_compile(
-            seg.gm,
-            list(args),
-            mode=mode,
-            static_input_idxs=static,
-            decompositions=inductor_decompositions_for(seg.gm, args),
-        )
-    loaded.fns[index] = fn
-    return fn
-
-
-#: compiled variants of one symbolic-size segment at most (each holds for the sizes its guard accepts)
-MAX_SYMBOLIC_VARIANTS = 8
-
-
-def _compile_symbolic_segment(loaded: _Loaded, seg: Segment, args: Sequence[Any]) -> Callable[..., Any]:
-    """A graph with symbolic sizes: inductor for every size where the graph's input sizes are plain symbols, else
-    the graph as captured (logged once per program). Inductor's conditions on the sizes (a heuristic's bound) are
-    checked at every call: sizes none of the compiled variants holds for compile another (up to
-    :data:`MAX_SYMBOLIC_VARIANTS`; past that they run uncompiled)."""
-    specs = loaded.program.sym_specs
-    if not specs:
-        log.info("%s runs uncompiled on device %d: an input size is not a plain symbol", loaded.name,
-                 loaded.program.device)  # fmt: skip
-        return seg.gm.forward  # type: ignore[no-any-return]
-    eager = seg.gm.forward
-    seg_specs = [specs[s] for s in seg.in_slots]
-    decompositions = inductor_decompositions_for(seg.gm, args)
-    variants: list[tuple[Callable[[Sequence[Any]], bool] | None, Callable[..., Any]]] = []
-    failed: list[str] = []
-
-    def compile_for(xs: list[Any]) -> Callable[..., Any] | None:
-        try:
-            with _COMPILE_LOCK:
-                fn, guard = _compat.inductor_compile_symbolic(
-                    seg.gm, seg_specs, xs, decompositions=decompositions
-                )
-        except Exception as e:  # noqa: BLE001 - the uncompiled graph computes the same
-            log.debug("%s: inductor with symbolic sizes failed", loaded.name, exc_info=True)
-            failed.append(f"{type(e).__name__}: {e}".splitlines()[0])
-            log.info("%s runs uncompiled on device %d: %s", loaded.name, loaded.program.device, failed[0])
-            return None
-        variants.append((guard, fn))
-        return fn
-
-    def call(*xs: Any) -> Any:
-        # compiled for contiguous inputs (a KV cache may be a view)
-        ys = [x.contiguous() if type(x) is torch.Tensor else x for x in xs]
-        for guard, fn in variants:
-            if guard is None or guard(ys):
-                return fn(*ys)
-        if not failed and len(variants) < MAX_SYMBOLIC_VARIANTS:
-            new = compile_for(ys)
-            if new is not None:
-                return new(*ys)
-        return eager(*xs)
-
-    return call
 
 
 def _host_synced(worker: Worker, run: Callable[[], Any]) -> Any:

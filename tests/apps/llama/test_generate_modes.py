@@ -124,31 +124,15 @@ def test_process_mode_compiled_generate(
     ("mode", "worker_compiler"), [("thread", "eager"), ("process", "eager"), ("thread", "inductor")]
 )
 def test_compiled_decode_replays_one_program(
-    mode: str, worker_compiler: str, monkeypatch: pytest.MonkeyPatch
+    mode: str,
+    worker_compiler: str,
+    monkeypatch: pytest.MonkeyPatch,
+    compiled_graphs: list[Any],
+    symbolic_compiles: list[Any],
 ) -> None:
     """On a 1-device mesh the decode graph with the symbolic KV length (dynamo's third graph) ships one program:
     tokens and logits equal torch, and no call of a graph with symbolic sizes runs its ops eagerly. With the
     workers' inductor, the worker compiles that program once, for every KV length."""
-    from torch_dtorch import _compat
-    from torch_dtorch.backend.compiled import CompiledGraph
-
-    compiles: list[Any] = []
-    real = _compat.inductor_compile_symbolic
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        compiles.append(args[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_compat, "inductor_compile_symbolic", counting)
-
-    made: list[CompiledGraph] = []
-    init = CompiledGraph.__init__
-
-    def record(self: CompiledGraph, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(CompiledGraph, "__init__", record)
     if mode == "process":  # as in test_process_mode_compiled_generate
         monkeypatch.setenv("DTORCH_HEARTBEAT_TIMEOUT_S", "30")
         monkeypatch.setenv("DTORCH_CONTROLLER_TIMEOUT_S", "30")
@@ -160,8 +144,9 @@ def test_compiled_decode_replays_one_program(
         if mode == "process":
             dt.shutdown()
     if worker_compiler == "inductor":  # one symbolic program, compiled once (its KV length a symbol)
-        assert len(compiles) == 1 and any(isinstance(spec, str) for spec in compiles[0]), compiles
-    symbolic = [g for g in made if g.symbolic]
+        assert len(symbolic_compiles) == 1, symbolic_compiles
+        assert any(isinstance(spec, str) for spec in symbolic_compiles[0]), symbolic_compiles
+    symbolic = [g for g in compiled_graphs if g.symbolic]
     assert symbolic, "dynamo compiled no decode graph with symbolic sizes"
     assert [g.eager_calls for g in symbolic] == [0] * len(symbolic)
     assert [g.num_variants for g in symbolic] == [1] * len(symbolic)
