@@ -16,7 +16,7 @@ Variants (``--variants``, default all):
   generation; the best of the two torch.compile rows is the compiled baseline;
 - ``dtorch-eager``: ``parallelize_llama`` on a 1-device CUDA mesh (thread mode; ``--mode process``: worker processes), eager;
 - ``dtorch-compile``: the same, ``torch.compile(model.forward, backend="dtorch", options={"worker_compiler":
-  "inductor"})``;
+  "inductor"})`` (``--worker-compiler`` picks it; eager by default on the CPU);
 - ``dtorch-tp2-sim``: a 2-rank ``tp`` mesh simulated on the one GPU (``simulate=True``), eager: shows the TP path
   runs at full size (it is not faster: both ranks share the GPU).
 
@@ -232,7 +232,8 @@ def _run_variant(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if name == "dtorch-compile":
-        options: dict[str, Any] | None = {"worker_compiler": "inductor"} if device.type == "cuda" else None
+        compiler = args.worker_compiler or ("inductor" if device.type == "cuda" else "eager")
+        options: dict[str, Any] | None = {"worker_compiler": compiler}
         model.forward = torch.compile(model.forward, backend=dtorch_backend, options=options)
     try:
         return _measure(name, model, args, device, want, on_dtorch=True)
@@ -261,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         help="dtorch variants: worker threads in this process (default) or worker processes",
     )
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--worker-compiler",
+        choices=("eager", "inductor"),
+        default=None,
+        help="dtorch-compile: how workers run their programs (default inductor on cuda, eager on cpu)",
+    )
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants if v not in VARIANTS]
