@@ -78,3 +78,46 @@ def test_an_input_freed_inside_a_chain_is_dropped_there() -> None:
         if rnd:
             _, at_end = ext.take_peak()
             assert at_end <= 4, f"a chain still held {at_end} tensors at its end"
+
+
+_EVENTS: list[str] = []
+
+
+@torch.library.custom_op("dtorch_test_chain::mark", mutates_args=())
+def _mark(x: torch.Tensor) -> torch.Tensor:
+    _EVENTS.append("mark")  # (a Python kernel: the native loop takes the GIL for it, as for any Python kernel)
+    return x.clone()
+
+
+@pytest.mark.parametrize("numel", [64, (64 << 20) // 4 + 1024], ids=["small", "past-the-defer-limit"])
+def test_a_python_wrapped_input_freed_mid_chain_dies_after_the_chain_with_the_gil(numel: int) -> None:
+    """Dropping the last reference of a tensor Python wraps (a chain's external input: a blob) decrefs its PyObject,
+    which takes the GIL; a worker thread waiting for the GIL the controller holds stalls up to the switch interval
+    (5 ms) per drop (16 % of a worker's time in a tiny Llama decode). The native loop keeps such tensors until the
+    chain ends (up to 64 MiB: past that they go at once, under the GIL)."""
+    ext = native_replay.extension()
+    if ext is None:
+        pytest.skip("the native worker loop is not built here")
+    import weakref
+
+    probe = torch.zeros(numel)
+    neg = ext.resolve("aten::neg", "", (probe,), {}, [0], [-1])
+    mark = ext.resolve("dtorch_test_chain::mark", "", (probe,), {}, [0], [-1])
+    assert neg >= 0 and mark >= 0
+    try:
+        a = torch.ones(numel)
+        _EVENTS.clear()
+        weakref.finalize(a, _EVENTS.append, "input dropped")
+        tensors = [a]
+        del a  # the list holds the input alone; run_chain takes it over
+        free = native_replay.FREE_STEP
+        steps = [neg, 1, 7, 1, 8, free, 1, 7, mark, 1, 8, 1, 9]
+        out_ids, out_tensors, failures = ext.run_chain(steps, [7], tensors)
+        assert failures == []
+        assert sorted(out_ids) == [8, 9]
+        torch.testing.assert_close(out_tensors[out_ids.index(9)], -torch.ones(numel))
+        small = numel * 4 <= 64 << 20
+        want = ["mark", "input dropped"] if small else ["input dropped", "mark"]
+        assert _EVENTS == want
+    finally:
+        ext.release([neg, mark])

@@ -39,6 +39,12 @@ struct Resolved {
 };
 
 constexpr int64_t kFreeStep = -1;  // ``kFreeStep, n, ids...``: the chain's tensors of ``ids`` die here
+// A free step's tensors that Python also wraps (the chain's external inputs, and in-place outputs that are them)
+// are kept until the chain ends, up to this many bytes: dropping the last C++ reference of a Python-wrapped
+// tensor decrefs its PyObject, which takes the GIL, and a worker thread waiting for the GIL that the controller
+// holds stalls for up to the interpreter's switch interval (5 ms) per drop. Past the limit the kept tensors are
+// dropped under the GIL at once (big tensors go promptly; the wait is small next to their kernels).
+constexpr int64_t kDeferBytes = 64LL << 20;
 
 std::mutex g_mutex;
 std::atomic<int64_t> g_peak{0};  // the most tensors a chain held at once since ``take_peak`` (tests)
@@ -187,10 +193,31 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
   std::vector<std::tuple<int64_t, int64_t, std::string>> failed;
   std::unordered_map<int64_t, at::Tensor> env;
   env.reserve(ext_ids.size() * 2 + 16);
-  for (size_t i = 0; i < ext_ids.size(); ++i) env.emplace(ext_ids[i], py::cast<at::Tensor>(ext_tensors[i]));
+  std::unordered_set<const c10::TensorImpl*> wrapped;  // the external inputs' tensors: Python wraps them
+  wrapped.reserve(ext_ids.size() * 2);
+  for (size_t i = 0; i < ext_ids.size(); ++i) {
+    auto it = env.emplace(ext_ids[i], py::cast<at::Tensor>(ext_tensors[i])).first;
+    wrapped.insert(it->second.unsafeGetTensorImpl());
+  }
   ext_tensors.attr("clear")();  // the chain holds its inputs alone: a free step can drop one mid-chain
+  std::vector<at::Tensor> kept;  // wrapped tensors freed mid-chain: dropped with the GIL held (kDeferBytes)
   {
     py::gil_scoped_release no_gil;
+    int64_t kept_bytes = 0;
+    // the chain lets go of ``t``: now, or (a wrapped tensor) when the chain ends
+    auto let_go = [&](at::Tensor&& t) {
+      if (wrapped.count(t.unsafeGetTensorImpl()) == 0) {
+        t.reset();
+        return;
+      }
+      kept_bytes += static_cast<int64_t>(t.numel() * t.element_size());
+      kept.push_back(std::move(t));
+      if (kept_bytes > kDeferBytes) {
+        py::gil_scoped_acquire gil;
+        kept.clear();
+        kept_bytes = 0;
+      }
+    };
     std::unordered_map<int64_t, int64_t> poisoned;  // id -> the step whose failure it carries
     std::vector<const Resolved*> calls;
     {
@@ -213,7 +240,12 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
     for (int64_t step = 0; p < steps.size(); ++step) {
       if (steps[p] == kFreeStep) {
         int64_t n = steps[p + 1];
-        for (int64_t k = 0; k < n; ++k) env.erase(steps[p + 2 + static_cast<size_t>(k)]);
+        for (int64_t k = 0; k < n; ++k) {
+          auto it = env.find(steps[p + 2 + static_cast<size_t>(k)]);
+          if (it == env.end()) continue;
+          let_go(std::move(it->second));
+          env.erase(it);
+        }
         p += 2 + static_cast<size_t>(n);
         --step;  // (not an op)
         continue;
@@ -265,7 +297,10 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
                         " tensors, the operator has " + std::to_string(n_out) + " outputs";
             } else {
               for (int64_t o = 0; o < n_out; ++o) {
-                env[o_ids[o]] = stack[static_cast<size_t>(o)].toTensor();
+                at::Tensor& slot = env[o_ids[o]];
+                at::Tensor made_t = stack[static_cast<size_t>(o)].toTensor();
+                if (slot.defined() && !slot.is_same(made_t)) let_go(std::move(slot));
+                slot = std::move(made_t);
                 made.push_back(o_ids[o]);
               }
               stack.clear();  // (the stack's references would keep the last outputs alive past a free step)
