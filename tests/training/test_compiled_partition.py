@@ -1,8 +1,11 @@
-"""Compiled training's joint-graph partition: with ``worker_compiler="inductor"`` the forward saves what inductor's
-own ``torch.compile`` saves (its min-cut partitioner recomputes cheap pointwise ops in the backward, where they fuse,
-instead of keeping their outputs alive from the forward — the H100 training bench used 3.7 GiB more than inductor
-with the default partitioner); with the eager worker compiler each recomputed op would be a kernel of its own, so
-the default partitioner stays. Loss and gradients equal torch either way."""
+"""Compiled training's joint-graph partition: aot_autograd's default partitioner for every worker compiler.
+
+Inductor's own min-cut partitioner (recompute cheap pointwise ops in the backward, where inductor fuses them) was
+tried for the workers' inductor and measured worse on an H200 (the 2-layer Llama-3-8B-shaped training step: 69.8 ms
+and 19.05 GiB against 68.8 ms and 17.79 GiB with the default partitioner): the forward's graph then saves the same
+tensors whichever worker compiler runs it. The block's LayerNorm takes an input that needs no gradient, so its
+backward is ``native_layer_norm_backward`` with a partial ``output_mask`` (propagation keeps the absent output as
+``None``, as torch does). Loss and gradients equal torch."""
 
 from __future__ import annotations
 
@@ -45,7 +48,18 @@ def _saved(worker_compiler: str, compiled_graphs: list[Any]) -> int:
     return len(outputs) - 1  # the rest are the tensors saved for the backward
 
 
-def test_inductor_workers_save_what_inductor_saves(compiled_graphs: list[Any]) -> None:
+def test_every_worker_compiler_saves_what_the_default_partitioner_saves(compiled_graphs: list[Any]) -> None:
     eager = _saved("eager", compiled_graphs)
     inductor = _saved("inductor", compiled_graphs)
-    assert inductor < eager, (inductor, eager)
+    assert inductor == eager, (inductor, eager)
+
+
+def test_a_partial_layer_norm_backward_gives_torch_gradients(compiled_graphs: list[Any]) -> None:
+    assert _saved("eager", compiled_graphs) > 0
+    masks = [
+        n.args[-1]
+        for g in compiled_graphs
+        for n in g.gm.graph.nodes
+        if n.target is torch.ops.aten.native_layer_norm_backward.default
+    ]
+    assert masks == [[False, True, True]], masks  # no gradient for the block's input: a partial output_mask

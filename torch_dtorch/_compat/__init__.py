@@ -42,7 +42,6 @@ from torch_dtorch._compat.frontend import (
     aot_module_simplified,
     capturable_optimizers_on,
     core_decompositions,
-    min_cut_partition,
     register_dynamo_backend,
     static_input_indices,
 )
@@ -69,7 +68,6 @@ __all__ = [
     "is_alias_of",
     "is_fake_tensor",
     "keep_composites_whole",
-    "min_cut_partition",
     "native_composite_check",
     "register_dynamo_backend",
     "replay_views",

@@ -76,17 +76,6 @@ def aot_module_simplified(gm: Any, example_inputs: Sequence[Any], **kwargs: Any)
     return aot(gm, example_inputs, **kwargs)
 
 
-def min_cut_partition() -> Any:
-    """The joint-graph partitioner inductor uses (``min_cut_rematerialization_partition`` for the inductor
-    compiler: saves fewer activations, recomputes fusible ops in the backward), for ``aot_module_simplified``'s
-    ``partition_fn``."""
-    import functools
-
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
-
-
 def core_decompositions(ops: Sequence[Any]) -> dict[Any, Any]:
     """``torch._decomp.get_decompositions`` restricted to ``ops`` (never the whole Core ATen table)."""
     from torch._decomp import get_decompositions

@@ -71,7 +71,6 @@ def capture(
     *,
     decompositions: Sequence[Any] = (),
     bw_compiler: Callable[[fx.GraphModule, list[Any]], Any] | None = None,
-    partition_fn: Callable[..., Any] | None = None,
 ) -> Any:
     """Run ``aot_autograd`` over dynamo's graph; ``fw_compiler(aten_gm, fake_inputs)`` builds the callable that runs
     the (forward) aten graph. With ``bw_compiler`` (training, :mod:`~torch_dtorch.backend.training`) aot traces the
@@ -98,7 +97,6 @@ def capture(
             fw_compiler=fw_compiler,
             bw_compiler=bw_compiler if bw_compiler is not None else no_backward,
             decompositions=decomposition_table(decompositions),
-            **({"partition_fn": partition_fn} if partition_fn is not None else {}),
         )
 
 

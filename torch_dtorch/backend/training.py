@@ -76,16 +76,14 @@ def compile_training(
         )
 
     decompositions = [op for op in TRAINING_DECOMPOSITIONS if not has_rule(op)]
-    # workers that compile with inductor save what inductor saves: its min-cut partitioner recomputes cheap
-    # pointwise ops in the backward (they fuse there) instead of keeping their outputs alive from the forward
-    partition_fn = _compat.min_cut_partition() if options.worker_compiler == "inductor" else None
+    # aot_autograd's default partitioner for every worker compiler: inductor's min-cut one (recompute fusible ops in
+    # the backward) measured worse on the H200 (docs/training.md, "Compiled training: what the forward saves")
     return capture(
         gm,
         example_inputs,
         fw_compiler,
         decompositions=(*decompositions, *options.decompositions),
         bw_compiler=bw_compiler,
-        partition_fn=partition_fn,
     )
 
 
