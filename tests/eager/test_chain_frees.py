@@ -85,7 +85,9 @@ _EVENTS: list[str] = []
 
 @torch.library.custom_op("dtorch_test_chain::mark", mutates_args=())
 def _mark(x: torch.Tensor) -> torch.Tensor:
-    _EVENTS.append("mark")  # (a Python kernel: the native loop takes the GIL for it, as for any Python kernel)
+    _EVENTS.append(
+        "mark"
+    )  # (a Python kernel: the native loop takes the GIL for it, as for any Python kernel)
     return x.clone()
 
 
@@ -118,6 +120,6 @@ def test_a_python_wrapped_input_freed_mid_chain_dies_after_the_chain_with_the_gi
         torch.testing.assert_close(out_tensors[out_ids.index(9)], -torch.ones(numel))
         small = numel * 4 <= 64 << 20
         want = ["mark", "input dropped"] if small else ["input dropped", "mark"]
-        assert _EVENTS == want
+        assert want == _EVENTS
     finally:
         ext.release([neg, mark])
