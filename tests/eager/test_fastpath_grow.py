@@ -275,3 +275,103 @@ def _check_grown(call: OpCall, like: OpCall | None = None) -> None:
     assert got is not None and len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert (a.shape, a.dtype, a.stride) == (b.shape, b.dtype, b.stride), (call.op, call.args, a, b)
+
+
+def _dense(shape: list[int], g: torch.Generator, *, gap: bool) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` as torch sees it; with ``gap``, its size-1 dims have other strides (as a
+    ``[:, -1:]`` slice of a longer row has)."""
+    t = torch.randn(shape, generator=g)
+    if not gap:
+        return t
+    stride = [
+        int(torch.randint(2, 40, (), generator=g)) if n == 1 else st for n, st in zip(shape, t.stride())
+    ]
+    out = t.as_strided(shape, stride)
+    assert out.is_contiguous()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_elementwise_and_copy_grown_meta_equals_shape_inference(seed: int) -> None:
+    """``generate``'s bookkeeping on the growing ``input_ids`` (``clone``, ``add``, ``isin``): elementwise ops and
+    copies over contiguous inputs, broadcasting, derive torch's output strides at another length; one-element
+    inputs of any strides (``ids[:, -1:]``) keep theirs through a copy."""
+    g = torch.Generator().manual_seed(seed)
+    mesh = init_mesh((1,))
+    pl = (Replicate(),)
+
+    def rand(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (), generator=g))
+
+    for _ in range(15):
+        nd = rand(1, 4)
+        grow = rand(0, nd)
+        lens = (rand(2, 6), rand(6, 12))  # two lengths of the growing dim, both at or above the bucket's cap
+        shape = [rand(1, 3) for _ in range(nd)]
+        bcast = [rand(0, 2) == 0 for _ in range(nd)]
+        calls: dict[str, list[OpCall]] = {}
+        for n in lens:
+            a_shape = [n if d == grow else s for d, s in enumerate(shape)]
+            b_shape = [1 if bcast[d] and d != grow else a_shape[d] for d in range(nd)]
+            a = _operand(_dense(a_shape, g, gap=False), mesh, pl, 0)
+            b = _operand(_dense(b_shape, g, gap=False), mesh, pl, 1)
+            one = _operand(_dense([1] * nd, g, gap=True), mesh, pl, 4)  # the same key at every length
+            test = _operand(torch.tensor([1.0, 2.0]), mesh, pl, 2)
+            cond = _operand(torch.ones(b_shape, dtype=torch.bool), mesh, pl, 3)
+            made = {
+                "add": OpCall.make(aten.add.Tensor, (a, b)),
+                "mul_scalar": OpCall.make(aten.mul.Tensor, (a, 2.0)),
+                "neg": OpCall.make(aten.neg.default, (a,)),
+                "where": OpCall.make(aten.where.self, (cond, a, b)),
+                "isin": OpCall.make(aten.isin.Tensor_Tensor, (a, test)),
+                "clone": OpCall.make(aten.clone.default, (a,)),
+                "clone_contiguous": OpCall.make(
+                    aten.clone.default, (a,), {"memory_format": torch.contiguous_format}
+                ),
+                "to_copy": OpCall.make(aten._to_copy.default, (a,), {"dtype": torch.float64}),
+                "ones_add": OpCall.make(aten.add.Tensor, (one, 1.0)),
+                "ones_clone": OpCall.make(aten.clone.default, (one,)),
+                "ones_isin": OpCall.make(aten.isin.Tensor_Tensor, (one, test)),
+            }
+            for name, call in made.items():
+                calls.setdefault(name, []).append(call)
+        for first, second in calls.values():
+            _check_grown(second, first)
+
+
+def test_a_strided_input_has_no_elementwise_growth_key() -> None:
+    mesh = init_mesh((1,))
+    t = _operand(torch.randn(4, 6).t(), mesh, (Replicate(),))
+    assert get_rule(aten.neg.default).growth_key(OpCall.make(aten.neg.default, (t,))) is None
+    assert get_rule(aten.clone.default).growth_key(OpCall.make(aten.clone.default, (t,))) is None
+    # a size-1 dim of another stride next to larger dims: torch's output strides follow the inputs' stride order
+    g = _operand(torch.randn(4, 1, 2).as_strided((4, 1, 2), (2, 37, 1)), mesh, (Replicate(),))
+    assert get_rule(aten.neg.default).growth_key(OpCall.make(aten.neg.default, (g,))) is None
+    one = _operand(torch.randn(1, 1).as_strided((1, 1), (35, 1)), mesh, (Replicate(),), 1)
+    big = _operand(torch.randn(1, 5), mesh, (Replicate(),), 2)
+    assert get_rule(aten.add.Tensor).growth_key(OpCall.make(aten.add.Tensor, (one, big))) is None
+
+
+@pytest.mark.parametrize("pl", [[Replicate()], [Shard(0)]], ids=["replicate", "shard0"])
+def test_generate_bookkeeping_on_growing_ids_plans_once(pl: list[Placement]) -> None:
+    """What ``generate`` does to ``input_ids`` each token (``cat`` the new token, ``[:, -1:]``, ``clone``, ``+ 1``,
+    ``isin`` against the stop tokens) plans in full at the first lengths only; values equal torch."""
+    mesh = init_mesh((2,) if pl == [Shard(0)] else (1,))
+    ids = torch.randint(0, 50, (2, 5))
+    eos = torch.tensor([3, 7])
+    dids, deos = _dist(ids, mesh, pl), dt.distribute_tensor(eos, mesh, [Replicate()])
+    plans = []
+    for step in range(10):
+        new = torch.randint(0, 50, (2, 1))
+
+        def token(new: torch.Tensor = new) -> torch.Tensor:
+            nonlocal dids
+            dids = torch.cat([dids, _dist(new, mesh, pl)], dim=-1)
+            last = dids[:, -1:].clone()
+            return torch.isin(dids, deos) & (last + 1 > 0)
+
+        got, planned, _ = _counted(token)
+        ids = torch.cat([ids, new], dim=-1)
+        assert torch.equal(got.cpu(), torch.isin(ids, eos) & (ids[:, -1:].clone() + 1 > 0)), step
+        plans.append(planned)
+    assert sum(plans[3:]) == 0, plans

@@ -59,6 +59,7 @@ from torch_dtorch.placement import PARTIAL_OPS, Partial, Placement, Replicate, S
 from torch_dtorch.placement_rules.call import LocalContext, OpCall
 from torch_dtorch.placement_rules.families.creation import draw_global, local_kwargs, rank_slice
 from torch_dtorch.placement_rules.families.pointwise import broadcast_shard_signatures
+from torch_dtorch.placement_rules.growth import copy_grown_meta, elementwise_growth_key
 from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
@@ -141,7 +142,14 @@ class CopyRule(OpRule):
 
 @register_rule(aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default, family="misc")
 class _Copy(CopyRule):
-    """A fresh copy (optionally cast)."""
+    """A fresh copy (optionally cast). Shape-generic (``placement_rules/growth.py``): a contiguous input's copy
+    is derived at new lengths (``generate``'s clone of the growing ``input_ids``)."""
+
+    def growth_key(self, call: OpCall) -> Any:
+        return elementwise_growth_key(call)
+
+    def grown_meta(self, call: OpCall, kept: Sequence[TensorMeta]) -> list[TensorMeta] | None:
+        return copy_grown_meta(call, kept)
 
 
 @register_rule(

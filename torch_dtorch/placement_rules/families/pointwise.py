@@ -25,6 +25,7 @@ import torch
 from torch_dtorch.graph import OperatorCost, TensorMeta
 from torch_dtorch.placement import LINEAR_REDUCE_OPS, Partial, Placement, Replicate, Shard
 from torch_dtorch.placement_rules.call import OpCall
+from torch_dtorch.placement_rules.growth import ELEMENTWISE_GROWTH, LOOKUP_GROWTH
 from torch_dtorch.placement_rules.rule import OpRule, register_rule
 from torch_dtorch.placement_rules.signature import PlacementSignature, sig
 
@@ -122,31 +123,31 @@ BINARY_OPS = [
 ]  # fmt: skip
 
 
-@register_rule(*UNARY_OPS, *BINARY_OPS, family="pointwise")
+@register_rule(*UNARY_OPS, *BINARY_OPS, family="pointwise", growth=ELEMENTWISE_GROWTH)
 def pointwise(call: OpCall) -> list[PlacementSignature]:
     """Elementwise with broadcasting; Partial inputs are reduced first (the op is not linear)."""
     return pointwise_signatures(call)
 
 
-@register_rule(*UNARY_LINEAR_OPS, family="pointwise")
+@register_rule(*UNARY_LINEAR_OPS, family="pointwise", growth=ELEMENTWISE_GROWTH)
 def pointwise_unary_linear(call: OpCall) -> list[PlacementSignature]:
     """Linear in its single tensor input: ``P -> P``."""
     return pointwise_signatures(call, Linearity.UNARY)
 
 
-@register_rule(aten.add.Tensor, aten.sub.Tensor, family="pointwise")
+@register_rule(aten.add.Tensor, aten.sub.Tensor, family="pointwise", growth=ELEMENTWISE_GROWTH)
 def pointwise_additive(call: OpCall) -> list[PlacementSignature]:
     """``P + P -> P`` (same reduce op); a Partial plus a Replicate is not linear and is reduced first."""
     return pointwise_signatures(call, Linearity.ADDITIVE)
 
 
-@register_rule(aten.mul.Tensor, family="pointwise")
+@register_rule(aten.mul.Tensor, family="pointwise", growth=ELEMENTWISE_GROWTH)
 def pointwise_mul(call: OpCall) -> list[PlacementSignature]:
     """``P * R -> P`` and ``R * P -> P``."""
     return pointwise_signatures(call, Linearity.MULTIPLICATIVE)
 
 
-@register_rule(aten.div.Tensor, family="pointwise")
+@register_rule(aten.div.Tensor, family="pointwise", growth=ELEMENTWISE_GROWTH)
 def pointwise_div(call: OpCall) -> list[PlacementSignature]:
     """``P / R -> P``."""
     return pointwise_signatures(call, Linearity.NUMERATOR)
@@ -206,7 +207,13 @@ class LogSigmoidForwardRule(OpRule):
 register_rule(aten.log_sigmoid_forward.default, family="pointwise")(LogSigmoidForwardRule)
 
 
-@register_rule(aten.bucketize.Tensor, aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, family="pointwise")
+@register_rule(
+    aten.bucketize.Tensor,
+    aten.isin.Tensor_Tensor,
+    aten.isin.Tensor_Scalar,
+    family="pointwise",
+    growth=LOOKUP_GROWTH,
+)
 def elementwise_lookup(call: OpCall) -> list[PlacementSignature]:
     """Elementwise in ``self`` against a whole lookup tensor (boundaries, test elements), which stays Replicate."""
     x = call.inputs[0]
