@@ -50,7 +50,7 @@ class DeviceMesh:
         mesh_dim_names: one unique name per axis, or ``None``.
     """
 
-    __slots__ = ("_device_type", "_mesh", "_names", "_root", "_root_axes", "_hash")
+    __slots__ = ("_device_type", "_mesh", "_names", "_root", "_root_axes", "_hash", "_shape", "_devices")
 
     def __init__(
         self,
@@ -88,6 +88,9 @@ class DeviceMesh:
         self._root: DeviceMesh = self
         self._root_axes: tuple[int, ...] = tuple(range(ids.ndim))
         self._hash: int | None = None
+        # read on every op (rules, templates): kept as Python values rather than recomputed from the id tensor
+        self._shape: tuple[int, ...] = tuple(ids.shape)
+        self._devices: tuple[int, ...] = tuple(flat)
 
     # --- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -119,7 +122,7 @@ class DeviceMesh:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self._mesh.shape)
+        return self._shape
 
     @property
     def ndim(self) -> int:
@@ -147,7 +150,7 @@ class DeviceMesh:
     @property
     def devices(self) -> list[int]:
         """Every device a tensor on this mesh lives on (for a sub-mesh: every device of the root), row-major."""
-        return self._root._mesh.flatten().tolist()
+        return list(self._root._devices)
 
     @property
     def first_device(self) -> int:
@@ -231,6 +234,8 @@ class DeviceMesh:
         sub._root = root
         sub._root_axes = root_axes
         sub._hash = None
+        sub._shape = tuple(sub._mesh.shape)
+        sub._devices = root._devices
         return sub
 
     def unbind(self, mesh_dim: int | str) -> list[DeviceMesh]:
@@ -287,8 +292,8 @@ class DeviceMesh:
         root = self._root
         return (
             root._device_type,
-            tuple(root._mesh.shape),
-            tuple(root._mesh.flatten().tolist()),
+            root._shape,
+            root._devices,
             root._names,
             self._root_axes,
         )
