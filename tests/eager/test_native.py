@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -187,6 +188,37 @@ def test_native_kernel_serves_repeated_calls() -> None:
         after = TABLE._m.stats()  # type: ignore[union-attr]
         assert after["hit"] - before["hit"] == 3 and after["miss"] == before["miss"], (before, after)
     torch.testing.assert_close((a @ b).full_tensor(), a.full_tensor() @ b.full_tensor())
+
+
+@native_only
+@pytest.mark.parametrize("pl", [[Replicate()], [Shard(0)], [Shard(1)]], ids=["replicate", "shard0", "shard1"])
+def test_native_kernel_serves_tensor_list_ops(pl: list[Any]) -> None:
+    """``cat`` (the op's one ``Tensor[]``, keyed by every element's layout and the count) hits in C++ from the
+    second call on; another count, order of layouts or ``dim`` is another key; an unbound element (a KV cache's
+    ``torch.tensor([])``) takes the Python path. Values equal torch, uneven shards included."""
+    mesh = init_mesh((3,))
+    a0, b0 = torch.randn(5, 4), torch.randn(5, 2)
+    a, b = dt.distribute_tensor(a0, mesh, pl), dt.distribute_tensor(b0, mesh, pl)
+    calls = [
+        (lambda: torch.cat([a, b], dim=1), torch.cat([a0, b0], dim=1)),
+        (lambda: torch.cat([b, a], dim=1), torch.cat([b0, a0], dim=1)),
+        (lambda: torch.cat([a, b, a], dim=-1), torch.cat([a0, b0, a0], dim=-1)),
+        (lambda: torch.cat([a, a], dim=0), torch.cat([a0, a0], dim=0)),
+    ]
+    for fn, want in calls:
+        fn()
+        before = TABLE._m.stats()  # type: ignore[union-attr]
+        outs = [fn() for _ in range(3)]
+        after = TABLE._m.stats()  # type: ignore[union-attr]
+        assert after["hit"] - before["hit"] == 3 and after["miss"] == before["miss"], (before, after)
+        for out in outs:
+            torch.testing.assert_close(out.full_tensor(), want)
+    flat = a.reshape(-1)
+    empty = torch.tensor([], device="dtorch")  # unbound until an op binds it: the Python fast path's business
+    before = TABLE._m.stats()  # type: ignore[union-attr]
+    out = torch.cat([empty, flat])
+    assert TABLE._m.stats()["miss"] == before["miss"] + 1  # type: ignore[union-attr]
+    torch.testing.assert_close(out.full_tensor(), a0.reshape(-1))
 
 
 @native_only

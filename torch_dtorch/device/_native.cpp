@@ -151,7 +151,7 @@ Entry* new_entry(PyObject* operand, PyObject* on_free, int64_t generation, int64
 // ---- call keys -----------------------------------------------------------------------------------------------
 
 enum Tag : int64_t {
-  kNone = 1, kInt, kDouble, kBool, kIntList, kDoubleList, kBoolList, kString, kDevice, kTensor, kWrapped
+  kNone = 1, kInt, kDouble, kBool, kIntList, kDoubleList, kBoolList, kString, kDevice, kTensor, kWrapped, kTensorList
 };
 
 using Key = std::vector<int64_t>;
@@ -247,8 +247,12 @@ enum Kind : int { kSingle = 0, kTuple = 1, kList = 2 };
 
 class FastPathHandler : public c10::OperatorKernel {
  public:
-  FastPathHandler(py::object fastop, int kind, bool view, std::vector<int64_t> tensor_args)
-      : fastop_(std::move(fastop)), kind_(kind), view_(view), tensor_args_(std::move(tensor_args)) {}
+  FastPathHandler(py::object fastop, int kind, bool view, std::vector<int64_t> tensor_args, int64_t list_pos)
+      : fastop_(std::move(fastop)),
+        kind_(kind),
+        view_(view),
+        tensor_args_(std::move(tensor_args)),
+        list_pos_(list_pos) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     const size_t n = op.schema().arguments().size();
@@ -261,12 +265,13 @@ class FastPathHandler : public c10::OperatorKernel {
     Key key;
     key.reserve(2 * n + 1);
     Entry* found[16];
-    const bool keyed = g_generation >= 0 && n <= 16 && make_key(stack, n, key, found);
+    c10::SmallVector<Entry*, 8> elements;  // a list op's tensors (``cat``'s), in order: its inputs
+    const bool keyed = g_generation >= 0 && n <= 16 && make_key(stack, n, key, found, elements);
     if (keyed) {
       auto it = cache_.find(key);
       // a counted reference: Python code run by the hit may let another thread clear the cache
       std::shared_ptr<const Template> tpl = it != cache_.end() ? it->second : nullptr;
-      if (tpl && hit(*tpl, stack, n, found)) {
+      if (tpl && hit(*tpl, stack, n, found, elements)) {
         ++g_hits;
         return;
       }
@@ -283,33 +288,63 @@ class FastPathHandler : public c10::OperatorKernel {
 
  private:
   // The key of the call on the stack: tagged constants and the layout id of every tensor. False: not keyable.
-  bool make_key(torch::jit::Stack* stack, size_t n, Key& key, Entry** found) {
+  // The bound dtorch tensor ``t``'s entry with its layout known; nullptr when it cannot be keyed (another
+  // runtime's, a stale shape, unbound).
+  static Entry* keyable(const at::Tensor& t) {
+    Entry* e = entry_of(t);
+    if (e == nullptr || e->generation != g_generation || t.sizes() != c10::IntArrayRef(e->sizes)) {
+      return nullptr;
+    }
+    if (e->layout == kUnknown) {
+      py::object lid =
+          py::reinterpret_steal<py::object>(PyObject_CallFunctionObjArgs(g_layout, e->operand, nullptr));
+      if (!lid) {
+        throw py::error_already_set();
+      }
+      e->layout = lid.cast<int64_t>();
+    }
+    return e->layout == kNoFast ? nullptr : e;
+  }
+
+  bool make_key(torch::jit::Stack* stack, size_t n, Key& key, Entry** found,
+                c10::SmallVector<Entry*, 8>& elements) {
     auto args = torch::jit::last(*stack, n);
     for (size_t i = 0; i < n; ++i) {
       const c10::IValue& v = args[i];
       found[i] = nullptr;
+      if (static_cast<int64_t>(i) == list_pos_) {
+        // the op's one Tensor[] argument (``cat``): keyed by every element's layout
+        if (!v.isTensorList()) {
+          return false;
+        }
+        auto list = v.toTensorList();
+        if (list.empty()) {
+          return false;
+        }
+        key.push_back(kTensorList);
+        key.push_back(static_cast<int64_t>(list.size()));
+        for (size_t k = 0; k < list.size(); ++k) {
+          const at::Tensor t = list.get(k);
+          Entry* e = keyable(t);
+          if (e == nullptr) {
+            return false;
+          }
+          key.push_back(e->layout);
+          elements.push_back(e);
+        }
+        continue;
+      }
       if (v.isTensor()) {
         const at::Tensor& t = v.toTensor();
-        Entry* e = entry_of(t);
-        if (e == nullptr) {
+        if (entry_of(t) == nullptr) {
           // ``x + 1.0``: Python numbers reach aten as wrapped 0-d CPU tensors (the Python kernel sees the number)
           if (!wrapped_number_key(t, key)) {
             return false;
           }
           continue;
         }
-        if (e->generation != g_generation || t.sizes() != c10::IntArrayRef(e->sizes)) {
-          return false;
-        }
-        if (e->layout == kUnknown) {
-          py::object lid = py::reinterpret_steal<py::object>(
-              PyObject_CallFunctionObjArgs(g_layout, e->operand, nullptr));
-          if (!lid) {
-            throw py::error_already_set();
-          }
-          e->layout = lid.cast<int64_t>();
-        }
-        if (e->layout == kNoFast) {
+        Entry* e = keyable(t);
+        if (e == nullptr) {
           return false;
         }
         key.push_back(kTensor);
@@ -373,11 +408,13 @@ class FastPathHandler : public c10::OperatorKernel {
     return true;
   }
 
-  bool hit(const Template& tpl, torch::jit::Stack* stack, size_t n, Entry** found) {
-    const size_t slots = tensor_args_.size();
+  bool hit(const Template& tpl, torch::jit::Stack* stack, size_t n, Entry** found,
+           const c10::SmallVector<Entry*, 8>& elements) {
+    const bool listed = list_pos_ >= 0;
+    const size_t slots = listed ? elements.size() : tensor_args_.size();
     py::list inputs(slots);
     for (size_t s = 0; s < slots; ++s) {
-      Entry* e = found[tensor_args_[s]];
+      Entry* e = listed ? elements[s] : found[tensor_args_[s]];
       PyObject* x = e != nullptr ? e->operand : Py_None;
       Py_INCREF(x);
       PyList_SET_ITEM(inputs.ptr(), s, x);
@@ -460,6 +497,7 @@ class FastPathHandler : public c10::OperatorKernel {
   int kind_;
   bool view_;
   std::vector<int64_t> tensor_args_;  // argument index of every tensor slot, in schema order
+  int64_t list_pos_;                  // the argument index of the op's one Tensor[] argument; -1: none
   std::unordered_map<Key, std::shared_ptr<const Template>, KeyHash> cache_;
   uint64_t epoch_ = 0;
 };
@@ -570,11 +608,11 @@ void set_hooks(py::object hit_fn, py::object layout_fn, py::object take_fn) {
 void invalidate() { ++g_epoch; }
 
 void register_kernel(const std::string& ns, const std::string& name, py::object fastop, int kind, bool view,
-                     std::vector<int64_t> tensor_args) {
+                     std::vector<int64_t> tensor_args, int64_t list_pos) {
   auto lib = std::make_unique<torch::Library>(
       torch::Library::IMPL, ns, std::make_optional(c10::DispatchKey::PrivateUse1), __FILE__, __LINE__);
   lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
-                              std::make_unique<FastPathHandler>(std::move(fastop), kind, view, std::move(tensor_args))));
+                              std::make_unique<FastPathHandler>(std::move(fastop), kind, view, std::move(tensor_args), list_pos)));
   g_libs->push_back(std::move(lib));
 }
 

@@ -88,9 +88,9 @@ class FastOp:
 
     @property
     def native_ok(self) -> bool:
-        """The C++ kernel may serve this op (it keys positional tensor slots only: no list, no in-place write, no
-        keyword-only tensor slot)."""
-        return self.list_pos is None and self.written is None and KWARG_SLOT not in self.slot_pos
+        """The C++ kernel may serve this op (it keys positional tensor slots or the op's one ``Tensor[]``: no
+        in-place write, no keyword-only tensor slot)."""
+        return self.written is None and KWARG_SLOT not in self.slot_pos
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rt = state._SESSION
@@ -319,6 +319,7 @@ class FastOp:
             tpl = self._derive(rt, targs, kwargs, key)
         if tpl is None:
             return self._record(rt, args, kwargs, targs, tuple(key))
+        _LEARNED.tpl = tpl
         return self._hit(rt, tpl, args, targs, inputs)
 
     def _derive(self, rt: Any, targs: list[Any], kwargs: dict[str, Any], key: list[Any]) -> Template | None:

@@ -65,5 +65,8 @@ def register_native(op: Any, fast: FastOp) -> bool:
     if op._overloadname != "default":
         name = f"{name}.{op._overloadname}"
     kind = {"single": 0, "tuple": 1, "list": 2}[fast.kind]
-    NATIVE.register_kernel(op.namespace, name, fast, kind, fast.view_of is not None, list(fast.slot_pos))
+    list_pos = -1 if fast.list_pos is None else fast.list_pos
+    NATIVE.register_kernel(
+        op.namespace, name, fast, kind, fast.view_of is not None, list(fast.slot_pos), list_pos
+    )
     return True
