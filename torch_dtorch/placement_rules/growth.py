@@ -109,6 +109,7 @@ def elementwise_growth_key(call: OpCall, *, lookup: bool = False) -> Any:
     if mesh is None:
         return None
     key: list[Any] = []
+    odd_one = larger = False  # a one-element input of other strides; an elementwise input of more elements
     for i, x in enumerate(call.inputs):
         if x is None:
             key.append(None)
@@ -118,15 +119,12 @@ def elementwise_growth_key(call: OpCall, *, lookup: bool = False) -> Any:
             part = _grown_input(x, mesh)
             if part is None:
                 return None
+            if part and part[0] == "ones":
+                odd_one = True
+            elif any(n != 1 for n in part):
+                larger = True
             key.append(part)
-
-    def ones(k: Any) -> bool:
-        return type(k) is tuple and len(k) == 2 and k[0] == "ones"
-
-    elementwise = key[: 1 if lookup else None]
-    if any(map(ones, elementwise)) and any(
-        type(k) is tuple and not ones(k) and any(n != 1 for n in k) for k in elementwise
-    ):
+    if odd_one and larger:
         return None
     return tuple(key)
 
