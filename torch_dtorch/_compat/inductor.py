@@ -23,8 +23,13 @@ def inductor_compile(
     mode: str | None = None,
     static_input_idxs: Sequence[int] | None = None,
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    boxed: bool = False,
 ) -> Any:
-    """Compile an aten-level FX graph with inductor; returns a callable taking the inputs positionally.
+    """Compile an aten-level FX graph with inductor; returns a callable taking the inputs positionally, or with
+    ``boxed`` one taking them as one list, which it empties (the compiled code then drops each input after its last
+    use, as inductor's own boxed calls do: a worker's backward frees the saved activations as it goes). The boxed form
+    goes through dynamo's ``GmWrapper``, for which ``aot_module_simplified`` (torch >= 2.4) returns its boxed
+    ``forward`` (``tests/backend/test_donation.py`` checks that the list is emptied).
 
     ``decompositions``: extra entries for inductor's decomposition table (``select_decomp_table()``, which
     ``compile_fx`` uses when given none): what inductor traces in place of those ops (dtorch's registered ops, see
@@ -61,14 +66,24 @@ def inductor_compile(
         from torch._inductor.decomposition import select_decomp_table
 
         table = {**select_decomp_table(), **decompositions}
+    model: Any = gm
+    if boxed:
+        from torch._dynamo.utils import GmWrapper
+
+        model = GmWrapper(gm, _same)
     with torch.no_grad():
-        return compile_fx(
-            gm,
+        fn = compile_fx(
+            model,
             list(example_inputs),
             inner_compile=inner,
             config_patches=config_patches or None,
             decompositions=table,
         )
+    return fn
+
+
+def _same(args: list[Any]) -> list[Any]:
+    return args
 
 
 def _ensure_cudagraph_tls() -> None:

@@ -177,10 +177,15 @@ class CompiledGraph:
             self.records.record(variant.prop.inputs, self.num_inputs)
         in_ids.extend(variant.constant_ids)
         ins = tuple(in_ids)
-        outs = rt.executor.append_with_outputs(
-            variant.out_specs, lambda ys: RunProgram(pid, ins, tuple([y.id for y in ys])), flush=True
+        executor = rt.executor
+        outs = executor.append_with_outputs(
+            variant.out_specs, lambda ys: RunProgram(pid, ins, tuple([y.id for y in ys]))
         )
-        args.clear()  # boxed convention: drop the inputs early
+        # boxed convention: drop the inputs now, so that the Free of those that die (a backward's saved activations)
+        # follows the RunProgram in the same batch and the workers donate them to the program (``program.py``)
+        args.clear()
+        TABLE.drain()
+        executor.flush()  # a whole compiled program starts on the workers now
         gen = rt.generation
         on_free = _free_callback(rt)
         table_wrap = TABLE.wrap

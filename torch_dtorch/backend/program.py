@@ -31,6 +31,7 @@ from torch_dtorch.backend.local import (
     SlotRef,
     build_local_program,
 )
+from torch_dtorch.backend.segment_compile import boxed as _boxed
 from torch_dtorch.backend.segment_compile import compile_segment as _compile_segment
 from torch_dtorch.executor.worker import Worker, register_instruction
 from torch_dtorch.runtime import op_runner
@@ -101,8 +102,10 @@ class _Loaded:
         self, program: LocalProgram, compiler: str, cudagraphs: bool, name: str, static: Sequence[int] = ()
     ) -> None:
         self.program = program
-        self.fns: list[Callable[..., Any] | None] = [
-            s.gm.forward if isinstance(s, Segment) and compiler == "eager" else None for s in program.steps
+        #: each compute segment's function (boxed: one list of inputs, which it empties), made at its first call
+        self.fns: list[Callable[[list[Any]], Any] | None] = [
+            _boxed(s.gm.forward) if isinstance(s, Segment) and compiler == "eager" else None
+            for s in program.steps
         ]
         self.compiler = compiler
         self.cudagraphs = cudagraphs
@@ -285,11 +288,18 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
         else:
             vals[i] = b.tensor
             in_blobs.append(b)
+    b = None
     for i, v in zip(prog.sym_inputs, instr.sym_values):
         vals[i] = v
     stream = worker.stream
     if stream is not None and stream.is_cuda:
         stream.wait_for(in_blobs, COMPUTE)
+    in_blobs.clear()
+    # donation: the blobs the controller frees right after this call (the Free that follows it in the batch: a
+    # backward's saved activations, a forward's dead inputs) go now, so that only ``vals`` holds them and each is
+    # dropped after its last step — inside a compiled segment, after its last use there
+    for oid in worker.freed_after(instr):
+        blobs.pop(oid, None)
     key = call.key
     fns = loaded.fns
     for index, step in enumerate(prog.steps):
@@ -297,11 +307,13 @@ def _execute(worker: Worker, loaded: _Loaded, instr: RunProgram) -> None:
             outs: Any = None
             if call.error is None:
                 args = [vals[s] for s in step.in_slots]
+                for r in step.release:  # the segment holds its inputs now (and drops each after its last use)
+                    vals[r] = None
                 try:
                     fn = fns[index]
                     if fn is None:
                         fn = _compile_segment(loaded, index, step, args)
-                    outs = fn(*args)
+                    outs = fn(args)
                     if loaded.cudagraphs and dev.type == "cuda":
                         # a CUDA graph's outputs live in its memory pool; while one is still alive, CUDA graph
                         # trees record a new graph rather than replay over it. Blobs outlive the call, so they

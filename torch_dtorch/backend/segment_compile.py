@@ -1,7 +1,10 @@
 """How a worker compiles one compute segment of a loaded program on its first call (``backend/program.py``):
 inductor on the segment's real inputs (static sizes; CUDA graphs with ``cudagraphs``), or — for a program of a graph
 with symbolic sizes — inductor once for every size (``_compat.inductor_compile_symbolic``), with inductor's size
-guards checked per call. ``loaded`` is ``program.py``'s record of the loaded program (its ``program``, ``fns``,
+guards checked per call. Every segment function takes its inputs as one list, which it empties (the boxed calling
+convention): a static-size segment's inductor code then drops each input after its last use, so the inputs the worker
+donates (``program.py``: those the controller frees right after the call, e.g. a backward's saved activations) are
+freed as the segment goes. ``loaded`` is ``program.py``'s record of the loaded program (its ``program``, ``fns``,
 ``cudagraphs``, ``static`` and ``name``)."""
 
 from __future__ import annotations
@@ -17,11 +20,22 @@ from torch_dtorch import _compat
 from torch_dtorch.backend.local import Segment
 from torch_dtorch.ops.decompositions import inductor_decompositions_for
 
-__all__ = ["MAX_SYMBOLIC_VARIANTS", "compile_segment"]
+__all__ = ["MAX_SYMBOLIC_VARIANTS", "boxed", "compile_segment"]
 
 log = logging.getLogger(__name__)
 
 _COMPILE_LOCK = threading.Lock()  # inductor is not re-entrant across worker threads
+
+
+def boxed(fn: Callable[..., Any]) -> Callable[[list[Any]], Any]:
+    """``fn`` (inputs positionally) as a segment function: takes one list and empties it."""
+
+    def call(args: list[Any]) -> Any:
+        xs = tuple(args)
+        args.clear()
+        return fn(*xs)
+
+    return call
 
 
 def compile_segment(
@@ -41,6 +55,7 @@ def compile_segment(
             mode=mode,
             static_input_idxs=static,
             decompositions=inductor_decompositions_for(seg.gm, args),
+            boxed=True,
         )
     loaded.fns[index] = fn
     return fn
@@ -80,7 +95,9 @@ def _compile_symbolic_segment(loaded: Any, seg: Segment, args: Sequence[Any]) ->
         variants.append((guard, fn))
         return fn
 
-    def call(*xs: Any) -> Any:
+    def call(args: list[Any]) -> Any:
+        xs = tuple(args)
+        args.clear()
         # compiled for contiguous inputs (a KV cache may be a view)
         ys = [x.contiguous() if type(x) is torch.Tensor else x for x in xs]
         for guard, fn in variants:

@@ -42,6 +42,7 @@ __all__ = ["Worker", "declare_worker_module", "register_instruction", "worker_mo
 log = logging.getLogger(__name__)
 
 _UNRESOLVED: Any = object()
+_NOWHERE: tuple[tuple[()], int] = ((), -1)  # Worker._at outside run_batch
 #: resolved local calls a worker keeps (plans and decoded templates are bounded by their own caches; this bounds
 #: the worst case)
 _MAX_RESOLVED = 16384
@@ -137,6 +138,8 @@ class Worker:
         #: ops run on the general local path (``OpRunner.run_op``), per operator name (for tests and benchmarks:
         #: what the replay does not cover yet)
         self.general: Counter[str] = Counter()
+        #: the running batch and the index of the instruction executing on the general path (:meth:`freed_after`)
+        self._at: tuple[Sequence[Instruction], int] = _NOWHERE
 
     # --- entry points -------------------------------------------------------------------------------------------
     def run_batch(
@@ -150,10 +153,14 @@ class Worker:
         process worker's heartbeat notes it)."""
         chain = self._chain
         if chain is None:
-            for i, instr in enumerate(batch):
-                if before is not None:
-                    before(i, instr)
-                self.execute(instr)
+            try:
+                for i, instr in enumerate(batch):
+                    if before is not None:
+                        before(i, instr)
+                    self._at = (batch, i)
+                    self.execute(instr)
+            finally:
+                self._at = _NOWHERE
             return
         # the hot lane: a fast-path hit whose plan this worker resolved to a native call goes onto the chain with no
         # further Python (the checks of ``_replay_call`` are made once per batch, and once per plan and batch)
@@ -203,10 +210,26 @@ class Worker:
                     continue
                 if len(chain):
                     chain.flush()
+                self._at = (batch, i)
                 self.execute(instr)
         finally:
+            self._at = _NOWHERE
             if len(chain):
                 chain.flush()
+
+    def freed_after(self, instr: object) -> list[int]:
+        """The operand ids that the ``Free`` instructions right after ``instr`` in the running batch drop (none
+        unless ``instr`` is the instruction :meth:`run_batch` is executing): its handler may drop their blobs early,
+        since nothing in between reads them."""
+        batch, i = self._at
+        if i < 0 or batch[i] is not instr:
+            return []
+        ids: list[int] = []
+        for later in batch[i + 1 :]:
+            if type(later) is not Free:
+                break
+            ids.extend(later.operand_ids)  # type: ignore[attr-defined]
+        return ids
 
     @staticmethod
     def _replayable(plan: Any, checked: set[Any]) -> bool:
