@@ -268,6 +268,55 @@ def test_ops_reading_what_the_chain_just_made_stay_in_the_chain(mesh: dt.DeviceM
 
 
 @pytest.mark.skipif(native_extension() is None, reason="the native worker loop is not built here")
+def test_runs_of_hits_and_their_frees_are_queued_by_one_native_call(
+    mesh: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's hot lane: a run of resolved hits and the ``Free``s between them (each ``x`` dies as the next is
+    made) is queued on the chain by one C++ call (``NativeChain.queue_runs``), not by Python per instruction."""
+    from torch_dtorch.runtime.native_replay import NativeChain
+
+    calls = {"queue_runs": 0, "queued": 0, "free": 0}
+    queue_runs, free = NativeChain.queue_runs, NativeChain.free
+
+    def counting_queue_runs(self: NativeChain, *args: object, **kwargs: object) -> tuple[int, int]:
+        out = queue_runs(self, *args, **kwargs)  # type: ignore[arg-type]
+        calls["queue_runs"] += 1
+        calls["queued"] += out[1]
+        return out
+
+    def counting_free(self: NativeChain, ids: list[int]) -> None:
+        calls["free"] += 1
+        free(self, ids)
+
+    x0, b0 = torch.randn(8, 4), torch.randn(8, 4)
+    x = dt.distribute_tensor(x0, mesh, [Shard(0)])
+    b = dt.distribute_tensor(b0, mesh, [Shard(0)])
+    for _ in range(3):  # plans, then teaches the fast path; the workers resolve
+        x = x * 0.5 + b
+    dt.sync()
+    monkeypatch.setattr(NativeChain, "queue_runs", counting_queue_runs)
+    monkeypatch.setattr(NativeChain, "free", counting_free)
+    executor = get_session().executor
+    flushes = executor.num_flushes
+    for _ in range(50):
+        x = x * 0.5 + b
+    dt.sync()
+    batches = executor.num_flushes - flushes
+    ref = x0
+    for _ in range(53):
+        ref = ref * 0.5 + b0
+    assert torch.equal(x.full_tensor(), ref)
+    assert calls["queued"] == 100 * mesh.size()
+    # a call per batch and device, and one more where a batch's first instruction is a Free (the Python loop
+    # takes it, then the lane goes on)
+    assert 0 < calls["queue_runs"] <= 2 * batches * mesh.size(), (calls, batches)
+    assert calls["free"] <= batches * mesh.size(), (
+        calls,
+        batches,
+    )  # the Frees between hits never reach Python
+
+
+@pytest.mark.skipif(native_extension() is None, reason="the native worker loop is not built here")
 def test_tensor_lists_and_reductions_run_in_the_native_loop(mesh: dt.DeviceMesh) -> None:
     """``stack``/``cat`` take a ``Tensor[]``: the native loop builds the list from the chain's tensors; a reduction
     whose rank holds the reduced dim is the op itself."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -162,41 +162,43 @@ class Worker:
             finally:
                 self._at = _NOWHERE
             return
-        # the hot lane: a fast-path hit whose plan this worker resolved to a native call goes onto the chain with no
-        # further Python (the checks of ``_replay_call`` are made once per batch, and once per plan and batch)
+        # the hot lane: consecutive fast-path hits whose plans this worker resolved to native calls go onto the
+        # chain in C++ (``NativeChain.queue_runs``: the checks of ``_replay_call``, made once per plan and batch);
+        # what it stops at takes the Python path below (``_replay`` resolves a plan met for the first time)
         resolved = (
             self._resolved if self._replay_on and not self.op_runner.validate and not kernel_hooks() else {}
         )
+        lane = before is None
         checked: set[Any] = set()
         device = self.device
+        n = len(batch)
+        i = 0
         try:
-            for i, instr in enumerate(batch):
+            while i < n:
+                instr = batch[i]
+                t = type(instr)
+                if t is FastRun and lane and resolved:
+                    j, queued = chain.queue_runs(
+                        batch,
+                        i,
+                        resolved=resolved,
+                        checked=checked,
+                        replayable=self._replayable,
+                        key_of=replay_key,
+                        fastrun=FastRun,
+                        free=Free,
+                        unresolved=_UNRESOLVED,
+                        device=device,
+                    )
+                    self.executed += queued
+                    self.replayed += queued
+                    if j > i:
+                        i = j
+                        continue
                 if before is not None:
                     before(i, instr)
-                t = type(instr)
+                i += 1
                 if t is FastRun:
-                    run = cast(FastRun, instr)
-                    plan = run.plan
-                    local_call = resolved.get(plan if not plan.varies else replay_key(run))
-                    if (
-                        local_call is not None
-                        and local_call is not _UNRESOLVED
-                        and local_call.native >= 0
-                        and not plan.nmoves
-                        and (plan in checked or self._replayable(plan, checked))
-                    ):
-                        if device not in plan.assign.devices:
-                            continue
-                        if chain.add(
-                            local_call.native,
-                            plan.op,
-                            [x.id for x in run.inputs if x is not None],
-                            [o.id for o in run.outputs],
-                            run.call_site,
-                        ):
-                            self.executed += 1
-                            self.replayed += 1
-                            continue
                     if self._replay(instr, chain):  # type: ignore[arg-type]
                         continue
                 elif t is RunOp:
@@ -210,7 +212,7 @@ class Worker:
                     continue
                 if len(chain):
                     chain.flush()
-                self._at = (batch, i)
+                self._at = (batch, i - 1)
                 self.execute(instr)
         finally:
             self._at = _NOWHERE

@@ -332,6 +332,224 @@ py::tuple run_chain(const std::vector<int64_t>& steps, const std::vector<int64_t
   return py::make_tuple(out_ids, out_tensors, failures);
 }
 
+// --- the worker's hot lane (executor/worker.py ``Worker.run_batch``, runtime/native_replay.py ``NativeChain``) ---
+
+// One chain's Python containers (NativeChain's ``_steps``, ``_ops``, ``_ext``, ``_produced``, ``_dropped``), the
+// worker's blob table, and ``wait``: ``None`` or a callable taking the list of blobs a chain reads first (a CUDA
+// stream's cross-stream wait).
+struct ChainRefs {
+  py::list steps;
+  py::list ops;
+  py::dict ext;
+  py::set produced;
+  py::set dropped;
+  py::dict blobs;
+  py::object wait;
+};
+
+PyObject* interned(const char* s) {
+  PyObject* o = PyUnicode_InternFromString(s);  // kept for the process's life
+  if (o == nullptr) throw py::error_already_set();
+  return o;
+}
+
+py::object attr(PyObject* o, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (v == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(v);
+}
+
+// ``NativeChain.add``: queue one op whose present inputs (slot order) are ``in_ids`` and outputs ``out_ids`` (lists
+// of ints). False (nothing queued) when an input is neither made by the chain nor a healthy blob.
+bool chain_add(ChainRefs& c, PyObject* handle, PyObject* op, PyObject* in_ids, PyObject* out_ids, PyObject* site) {
+  static PyObject* s_error = interned("error");
+  static PyObject* s_tensor = interned("tensor");
+  Py_ssize_t n_in = PyList_GET_SIZE(in_ids);
+  Py_ssize_t n_out = PyList_GET_SIZE(out_ids);
+  std::vector<std::pair<PyObject*, py::object>> fresh;  // (id, its blob's tensor)
+  py::list fresh_blobs;
+  for (Py_ssize_t k = 0; k < n_in; ++k) {
+    PyObject* i = PyList_GET_ITEM(in_ids, k);
+    int r = PySet_Contains(c.produced.ptr(), i);
+    if (r < 0) throw py::error_already_set();
+    if (r) continue;
+    r = PyDict_Contains(c.ext.ptr(), i);
+    if (r < 0) throw py::error_already_set();
+    if (r) continue;
+    bool again = false;
+    for (const auto& f : fresh) {
+      int eq = PyObject_RichCompareBool(f.first, i, Py_EQ);
+      if (eq < 0) throw py::error_already_set();
+      if (eq) {
+        again = true;
+        break;
+      }
+    }
+    if (again) continue;
+    PyObject* b = PyDict_GetItemWithError(c.blobs.ptr(), i);  // borrowed
+    if (b == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return false;
+    }
+    if (attr(b, s_error).ptr() != Py_None) return false;
+    py::object t = attr(b, s_tensor);
+    if (t.ptr() == Py_None) return false;
+    fresh.emplace_back(i, std::move(t));
+    fresh_blobs.append(py::handle(b));
+  }
+  if (!fresh.empty() && !c.wait.is_none()) c.wait(fresh_blobs);
+  for (const auto& f : fresh) {
+    if (PyDict_SetItem(c.ext.ptr(), f.first, f.second.ptr()) < 0) throw py::error_already_set();
+  }
+  PyObject* steps = c.steps.ptr();
+  auto append = [&](PyObject* v) {
+    if (PyList_Append(steps, v) < 0) throw py::error_already_set();
+  };
+  auto append_int = [&](Py_ssize_t v) { append(py::int_(v).ptr()); };
+  append(handle);
+  append_int(n_in);
+  for (Py_ssize_t k = 0; k < n_in; ++k) append(PyList_GET_ITEM(in_ids, k));
+  append_int(n_out);
+  for (Py_ssize_t k = 0; k < n_out; ++k) {
+    PyObject* o = PyList_GET_ITEM(out_ids, k);
+    append(o);
+    if (PySet_Add(c.produced.ptr(), o) < 0 || PySet_Discard(c.dropped.ptr(), o) < 0) throw py::error_already_set();
+  }
+  c.ops.append(py::make_tuple(py::handle(op), py::handle(site)));
+  return true;
+}
+
+bool add(py::list steps, py::list ops, py::dict ext, py::set produced, py::set dropped, py::dict blobs,
+         py::object wait, py::object handle, py::object op, py::list in_ids, py::list out_ids, py::object site) {
+  ChainRefs c{steps, ops, ext, produced, dropped, blobs, wait};
+  return chain_add(c, handle.ptr(), op.ptr(), in_ids.ptr(), out_ids.ptr(), site.ptr());
+}
+
+// ``NativeChain.free``: a ``Free`` inside the chain. The blobs of ``ids`` go at once; the tensors the chain made or
+// read of those ids go at this point of the chain (a free step), and what it made of them is not published.
+void chain_free(ChainRefs& c, PyObject* ids) {
+  py::list gone;
+  py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(ids, "a Free's operand ids"));
+  if (!seq) throw py::error_already_set();
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* i = PySequence_Fast_GET_ITEM(seq.ptr(), k);
+    int made = PySet_Contains(c.produced.ptr(), i);
+    if (made < 0) throw py::error_already_set();
+    if (made) {
+      if (PySet_Add(c.dropped.ptr(), i) < 0) throw py::error_already_set();
+      gone.append(py::handle(i));
+    } else {
+      int read = PyDict_Contains(c.ext.ptr(), i);
+      if (read < 0) throw py::error_already_set();
+      if (read) gone.append(py::handle(i));  // (its blob goes now; the chain holds the tensor until this point)
+    }
+    if (PyDict_DelItem(c.blobs.ptr(), i) < 0) {
+      if (!PyErr_ExceptionMatches(PyExc_KeyError)) throw py::error_already_set();
+      PyErr_Clear();
+    }
+  }
+  Py_ssize_t n_gone = PyList_GET_SIZE(gone.ptr());
+  if (n_gone) {  // the native loop drops them at this point of the chain, not at its end
+    c.steps.append(kFreeStep);
+    c.steps.append(n_gone);
+    for (Py_ssize_t k = 0; k < n_gone; ++k) c.steps.append(py::handle(PyList_GET_ITEM(gone.ptr(), k)));
+  }
+}
+
+void free_ids(py::list steps, py::list ops, py::dict ext, py::set produced, py::set dropped, py::dict blobs,
+              py::object ids) {
+  ChainRefs c{steps, ops, ext, produced, dropped, blobs, py::none()};
+  chain_free(c, ids.ptr());
+}
+
+// The ids of ``operands`` (a list of operands or ``None``s), ``None``s left out.
+py::list ids_of(PyObject* operands) {
+  static PyObject* s_id = interned("id");
+  if (!PyList_Check(operands)) throw py::type_error("a FastRun's inputs/outputs must be a list");
+  Py_ssize_t n = PyList_GET_SIZE(operands);
+  py::list out;
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* x = PyList_GET_ITEM(operands, k);
+    if (x == Py_None) continue;
+    out.append(attr(x, s_id));
+  }
+  return out;
+}
+
+// ``Worker.run_batch``'s hot lane from ``batch[start]``: queue every consecutive ``FastRun`` whose plan this worker
+// resolved to a native call (``resolved[key]``, ``key`` the plan or ``key_of(run)`` for a plan whose constants vary)
+// onto the chain, and every ``Free`` while the chain holds ops (``chain_free``); runs for other devices are skipped.
+// Stops at the first instruction it cannot queue (another type,
+// an unresolved plan, a plan with moves, one ``replayable(plan, checked)`` rejects, an input the chain cannot read).
+// Returns ``(index of that instruction, ops queued)``.
+py::tuple queue_runs(py::object batch, int64_t start, py::handle fastrun, py::handle free_type, py::dict resolved,
+                     py::set checked,
+                     py::object replayable, py::object key_of, py::handle unresolved, py::object device,
+                     py::list steps, py::list ops, py::dict ext, py::set produced, py::set dropped, py::dict blobs,
+                     py::object wait) {
+  static PyObject* s_plan = interned("plan");
+  static PyObject* s_varies = interned("varies");
+  static PyObject* s_native = interned("native");
+  static PyObject* s_nmoves = interned("nmoves");
+  static PyObject* s_assign = interned("assign");
+  static PyObject* s_devices = interned("devices");
+  static PyObject* s_inputs = interned("inputs");
+  static PyObject* s_outputs = interned("outputs");
+  static PyObject* s_op = interned("op");
+  static PyObject* s_site = interned("call_site");
+  static PyObject* s_ids = interned("operand_ids");
+  ChainRefs c{steps, ops, ext, produced, dropped, blobs, wait};
+  // a list or tuple as is (the thread runner's batches are tuples)
+  py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(batch.ptr(), "a batch"));
+  if (!items) throw py::error_already_set();
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+  Py_ssize_t i = static_cast<Py_ssize_t>(start);
+  int64_t queued = 0;
+  for (; i < n; ++i) {
+    PyObject* run = PySequence_Fast_GET_ITEM(items.ptr(), i);
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(run));
+    if (type == free_type.ptr() && PyList_GET_SIZE(ops.ptr()) > 0) {  // a Free inside the chain
+      chain_free(c, attr(run, s_ids).ptr());
+      continue;
+    }
+    if (type != fastrun.ptr()) break;
+    py::object plan = attr(run, s_plan);
+    int varies = PyObject_IsTrue(attr(plan.ptr(), s_varies).ptr());
+    if (varies < 0) throw py::error_already_set();
+    py::object key = varies ? key_of(py::handle(run)) : plan;
+    PyObject* call = PyDict_GetItemWithError(resolved.ptr(), key.ptr());  // borrowed
+    if (call == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      break;
+    }
+    if (call == Py_None || call == unresolved.ptr()) break;
+    py::object native = attr(call, s_native);
+    if (PyLong_AsLongLong(native.ptr()) < 0) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      break;
+    }
+    int moves = PyObject_IsTrue(attr(plan.ptr(), s_nmoves).ptr());
+    if (moves < 0) throw py::error_already_set();
+    if (moves) break;
+    int known = PySet_Contains(checked.ptr(), plan.ptr());
+    if (known < 0) throw py::error_already_set();
+    if (!known && !replayable(plan, checked).cast<bool>()) break;
+    py::object devices = attr(attr(plan.ptr(), s_assign).ptr(), s_devices);
+    int here = PySequence_Contains(devices.ptr(), device.ptr());
+    if (here < 0) throw py::error_already_set();
+    if (!here) continue;  // not a device of this op
+    py::list in_ids = ids_of(attr(run, s_inputs).ptr());
+    py::list out_ids = ids_of(attr(run, s_outputs).ptr());
+    if (!chain_add(c, native.ptr(), attr(plan.ptr(), s_op).ptr(), in_ids.ptr(), out_ids.ptr(),
+                   attr(run, s_site).ptr())) {
+      break;
+    }
+    ++queued;
+  }
+  return py::make_tuple(static_cast<int64_t>(i), queued);
+}
+
 std::string name_of(int64_t handle) {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_calls.at(static_cast<size_t>(handle)).name;
@@ -345,5 +563,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("name_of", &name_of);
   m.def("release", &release);
   m.def("live", &live);
+  m.def("add", &add);
+  m.def("queue_runs", &queue_runs);
+  m.def("free", &free_ids);
   m.def("take_peak", []() { return py::make_tuple(g_peak.exchange(0), g_end.exchange(0)); });
 }

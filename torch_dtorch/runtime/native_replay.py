@@ -94,6 +94,7 @@ class NativeChain:
         "_produced",
         "_dropped",
         "_module",
+        "_wait",
     )
 
     def __init__(self, device: int, blobs: MutableMapping[int, Blob], stream: KernelStream | None) -> None:
@@ -107,6 +108,10 @@ class NativeChain:
         self._ext: dict[int, torch.Tensor] = {}
         self._produced: set[int] = set()
         self._dropped: set[int] = set()
+        #: the wait of a chain's first read of a blob (another stream may have written it), or ``None``
+        self._wait = (
+            (lambda fresh: stream.wait_for(fresh, COMPUTE)) if stream is not None and stream.is_cuda else None
+        )
 
     @property
     def available(self) -> bool:
@@ -119,51 +124,51 @@ class NativeChain:
         self, handle: int, op: Any, input_ids: Sequence[int], output_ids: Sequence[int], call_site: str | None
     ) -> bool:
         """Queue one op (``input_ids``: its present inputs in slot order); ``False`` (nothing queued) when an
-        input is neither produced by the chain nor a healthy blob: the general path must run it."""
-        produced, blobs, ext = self._produced, self.blobs, self._ext
-        fresh_ids: list[int] = []
-        fresh: list[Blob] = []
-        for i in input_ids:
-            if i in produced or i in ext or i in fresh_ids:
-                continue
-            b = blobs.get(i)
-            if b is None or b.error is not None or b.tensor is None:
-                return False
-            fresh_ids.append(i)
-            fresh.append(b)
-        if fresh and self.stream is not None and self.stream.is_cuda:
-            self.stream.wait_for(fresh, COMPUTE)
-        for i, b in zip(fresh_ids, fresh):
-            ext[i] = b.tensor  # type: ignore[assignment]
-        steps = self._steps
-        steps.append(handle)
-        steps.append(len(input_ids))
-        steps.extend(input_ids)
-        steps.append(len(output_ids))
-        steps.extend(output_ids)
-        produced.update(output_ids)
-        self._dropped.difference_update(output_ids)
-        self._ops.append((op, call_site))
-        return True
+        input is neither produced by the chain nor a healthy blob: the general path must run it. (``_replay.cpp``'s
+        ``add``: the chain's first read of a blob is waited for on the compute stream and keeps its tensor in the
+        chain's external inputs; the op's step is appended and its outputs noted as produced.)"""
+        assert self._module is not None
+        return bool(
+            self._module.add(
+                self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, self._wait,
+                handle, op, list(input_ids), list(output_ids), call_site,
+            )
+        )  # fmt: skip
+
+    def queue_runs(
+        self,
+        batch: Sequence[Any],
+        start: int,
+        *,
+        resolved: dict[Any, Any],
+        checked: set[Any],
+        replayable: Any,
+        key_of: Any,
+        fastrun: type,
+        free: type,
+        unresolved: Any,
+        device: int,
+    ) -> tuple[int, int]:
+        """``Worker.run_batch``'s hot lane in C++ (``_replay.cpp``'s ``queue_runs``): from ``batch[start]``, queue
+        every consecutive ``FastRun`` whose plan the worker resolved to a native call (``resolved``, keyed by the plan
+        or ``key_of(run)``; ``replayable(plan, checked)`` the first time a plan is met in a batch), skipping runs of
+        other devices, as :meth:`add` each, and every ``Free`` (instruction type ``free``) among them as :meth:`free`. Returns the index of the first instruction not queued and how many ops
+        were queued: the worker's per-op Python is one C++ call per run of hits."""
+        assert self._module is not None
+        i, queued = self._module.queue_runs(
+            batch, start, fastrun, free, resolved, checked, replayable, key_of, unresolved, device,
+            self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, self._wait,
+        )  # fmt: skip
+        return int(i), int(queued)
 
     def free(self, operand_ids: Sequence[int]) -> None:
         """A ``Free`` inside the chain: blobs go at once; the tensors the chain made or read of those ids go at this
-        point of the chain (a free step of the native loop), and what it made of them is not published."""
-        pop = self.blobs.pop
-        produced, ext = self._produced, self._ext
-        gone: list[int] = []
-        for i in operand_ids:
-            if i in produced:
-                self._dropped.add(i)
-                gone.append(i)
-            elif i in ext:
-                gone.append(i)  # (its blob goes now; the chain holds the tensor until this point)
-            pop(i, None)
-        if gone:  # the native loop drops them at this point of the chain (a free step), not at its end
-            steps = self._steps
-            steps.append(FREE_STEP)
-            steps.append(len(gone))
-            steps.extend(gone)
+        point of the chain (a free step of the native loop: ``_replay.cpp``'s ``chain_free``), and what it made of
+        them is not published."""
+        assert self._module is not None
+        self._module.free(
+            self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, operand_ids
+        )
 
     def flush(self) -> int:
         """Run the queued ops; publish their outputs as blobs. Returns how many ops ran (or failed)."""
