@@ -350,3 +350,22 @@ def test_malformed_records_fail_the_worker_with_a_clear_error(
     assert "worker w0" in text or "worker w1" in text, text
     assert wait_gone(pids, 6.0) == []
     dt.shutdown()
+
+
+@pytest.mark.parametrize("hits_on", [True, False])
+def test_an_instruction_sees_the_frees_that_follow_it(monkeypatch: pytest.MonkeyPatch, hits_on: bool) -> None:
+    """A compiled program donates the inputs freed right after it (``Worker.freed_after``): in process mode those
+    frees travel as free records of a hit run, which the worker reads as ``Free``s."""
+    from torch_dtorch.backend.program import RunProgram
+    from torch_dtorch.executor import worker as worker_mod
+
+    enc, dec = BatchEncoder(hits=hits_on), BatchDecoder()
+    batch = dec.decode(enc.encode([RunProgram(7, (1, 2, 3), (9,)), Free([1, 2]), Free([5])]))
+    w = worker_mod.Worker(0, "cpu", None, None)
+    seen: list[list[int]] = []
+    monkeypatch.setitem(
+        worker_mod._HANDLERS, RunProgram, lambda wk, instr: seen.append(wk.freed_after(instr))
+    )
+    w.run_batch(batch)
+    assert seen == [[1, 2, 5]]
+    assert w.freed_after(batch[0]) == []  # outside run_batch: nothing

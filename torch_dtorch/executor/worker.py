@@ -222,15 +222,23 @@ class Worker:
     def freed_after(self, instr: object) -> list[int]:
         """The operand ids that the ``Free`` instructions right after ``instr`` in the running batch drop (none
         unless ``instr`` is the instruction :meth:`run_batch` is executing): its handler may drop their blobs early,
-        since nothing in between reads them."""
+        since nothing in between reads them. An instruction of another layer that starts with frees says which with
+        ``leading_frees() -> (ids, nothing else)`` (process mode's hit-record runs)."""
         batch, i = self._at
         if i < 0 or batch[i] is not instr:
             return []
         ids: list[int] = []
         for later in batch[i + 1 :]:
-            if type(later) is not Free:
+            if type(later) is Free:
+                ids.extend(later.operand_ids)  # type: ignore[attr-defined]
+                continue
+            leading = getattr(later, "leading_frees", None)
+            if leading is None:
                 break
-            ids.extend(later.operand_ids)  # type: ignore[attr-defined]
+            more, only = leading()
+            ids.extend(more)
+            if not only:
+                break
         return ids
 
     @staticmethod

@@ -119,6 +119,18 @@ class HitRun:
             return f"{self.dec._tables['hit'][w >> 2].name} -> %{self.words[self.start + 2]} (hit records)"
         return "free (hit records)"
 
+    def leading_frees(self) -> tuple[list[int], bool]:
+        """The operand ids its free records before its first hit drop, and whether it holds nothing else: a
+        worker's handler of the instruction just before it may drop those blobs first (``Worker.freed_after``, a
+        compiled program's donated inputs)."""
+        words, p, end = self.words, self.start, self.end
+        ids: list[int] = []
+        while p < end and words[p] & 3 == FREE:
+            q = p + 1 + (words[p] >> 2)
+            ids.extend(words[p + 1 : q])
+            p = q
+        return ids, p >= end
+
     def __repr__(self) -> str:
         return f"HitRun({self.end - self.start} words)"
 
