@@ -5,8 +5,11 @@ the controller may wait. This records a chain of ``--ops`` fast-path hits (``y =
 one hit and one ``Free`` per op) with the runner's ``submit`` held back, then runs the held batches on the worker
 in this thread and splits the time: the native loop's ``run_chain`` (the kernels, GIL released) and the rest (the
 worker's bookkeeping: queueing hits on the chain, frees, publishing blobs). Medians of ``--repeat`` rounds.
+``--wire`` first encodes the held batches as process mode does (``BatchEncoder``: binary hit records) and decodes
+them (``BatchDecoder``), then runs the decoded batches as a worker process does (heartbeat callback on): the
+worker side of process mode, without the transport (encoding and decoding are not timed).
 
-    python bench/worker_lane.py [--ops 20000] [--repeat 3]
+    python bench/worker_lane.py [--ops 20000] [--repeat 3] [--wire]
 """
 
 from __future__ import annotations
@@ -42,7 +45,15 @@ class _TimedModule:
             self.seconds += time.perf_counter() - t0
 
 
-def one_round(x: torch.Tensor, ops: int) -> tuple[float, float]:
+def _wire(held: list[tuple[Any, ...]]) -> list[list[Any]]:
+    """``held`` encoded and decoded as process mode's codec does (one encoder and decoder for all of them)."""
+    from torch_dtorch.cluster.codec import BatchDecoder, BatchEncoder
+
+    enc, dec = BatchEncoder(hits=True), BatchDecoder()
+    return [list(dec.decode(enc.encode(list(batch)))) for batch in held]
+
+
+def one_round(x: torch.Tensor, ops: int, *, wire: bool = False) -> tuple[float, float]:
     """µs per op of the worker's ``run_batch`` over held batches, and of ``run_chain`` within it."""
     rt = get_session()
     executor, runner = rt.executor, rt.executor.runner
@@ -58,13 +69,15 @@ def one_round(x: torch.Tensor, ops: int) -> tuple[float, float]:
         executor.flush()
     finally:
         runner.submit = submit
+    batches: list[Any] = _wire(held) if wire else held
+    before = (lambda i, instr: None) if wire else None  # a worker process passes its heartbeat's callback
     chain = worker._chain
     timed = _TimedModule(chain._module)
     chain._module = timed
     try:
         t0 = time.perf_counter()
-        for batch in held:
-            worker.run_batch(batch)
+        for batch in batches:
+            worker.run_batch(batch, before=before)
         total = time.perf_counter() - t0
     finally:
         chain._module = timed.module
@@ -76,6 +89,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", type=int, default=20000)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument(
+        "--wire", action="store_true", help="process mode's hit records (encoded, decoded) on the worker"
+    )
     args = p.parse_args()
     if extension() is None:
         raise SystemExit("the native worker loop is not built here (no C++ compiler, or DTORCH_NATIVE=0)")
@@ -87,11 +103,12 @@ def main() -> None:
         y = y + x
     del y
     dt.sync()
-    rounds = [one_round(x, args.ops) for _ in range(args.repeat)]
+    rounds = [one_round(x, args.ops, wire=args.wire) for _ in range(args.repeat)]
     total = statistics.median(r[0] for r in rounds)
     kernels = statistics.median(r[1] for r in rounds)
+    what = "process mode's hit records" if args.wire else "thread mode's instructions"
     print(
-        f"{platform.node()} torch {torch.__version__}: {args.ops} ops (one hit and one Free each), 1-device mesh"
+        f"{platform.node()} torch {torch.__version__}, 1-device mesh: {args.ops} ops (a hit and a Free each), {what}"
     )
     print("| worker run_batch µs/op | of which run_chain (GIL released) | the rest (GIL held) |")
     print("|---|---|---|")

@@ -121,3 +121,24 @@ def test_repeated_inputs_and_0d_scalars_replay_on_worker_processes(monkeypatch: 
         assert made == 2  # templates made: the first x*x and x*t
     finally:
         dt.shutdown()
+
+
+@pytest.mark.slow
+def test_hit_records_are_queued_by_the_native_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker process queues a run of hit records (and the free records between them) on its chain in C++
+    (``NativeChain.queue_records``): a worker raises once more than a few ops went through ``NativeChain.add`` in
+    Python (the records of a template's first calls are materialized and resolved there)."""
+    dt.shutdown()
+    monkeypatch.setenv("DTORCH_WORKER_IMPORTS", "tests.cluster.worker_hooks")
+    monkeypatch.setenv("DTORCH_TEST_PY_ADD_LIMIT", "8")
+    try:
+        mesh = dt.init_device_mesh("cpu", (2,), mode="process")
+        x0, b0 = torch.randn(8, 4), torch.randn(8, 4)
+        x = dt.distribute_tensor(x0, mesh, [Shard(0)])
+        b = dt.distribute_tensor(b0, mesh, [Shard(0)])
+        for _ in range(300):
+            x = x * 0.5 + b
+            x0 = x0 * 0.5 + b0
+        assert torch.equal(x.full_tensor(), x0)
+    finally:
+        dt.shutdown()

@@ -4,7 +4,9 @@
   ``DTORCH_TEST_SLOW_AFTER=n``: only after its first ``n`` calls (fast-path hits come later);
 - ``DTORCH_TEST_FAIL_OP=aten.sigmoid:2``: ``aten.sigmoid`` raises on device 2 (a planted kernel failure);
 - ``DTORCH_TEST_GENERAL_LIMIT=aten.mul.Tensor:2``: a worker raises once it ran ``aten.mul.Tensor`` on its general
-  local path more than twice (replayed fast-path hits do not count: a test of the replay in process mode).
+  local path more than twice (replayed fast-path hits do not count: a test of the replay in process mode);
+- ``DTORCH_TEST_PY_ADD_LIMIT=n``: a worker raises once ops were queued on its native chain through Python
+  (``NativeChain.add``) more than ``n`` times (hit records the C++ lane queues do not count).
 """
 
 from __future__ import annotations
@@ -83,3 +85,23 @@ if _GENERAL is not None:
         return _run_op(self, node, *args, **kwargs)
 
     kernel_mod.OpRunner.run_op = _counted  # type: ignore[method-assign]
+
+_PY_ADD = _parse("DTORCH_TEST_PY_ADD_LIMIT")
+
+if _PY_ADD is not None:
+    from torch_dtorch.runtime.native_replay import NativeChain
+
+    _add_limit = int(_PY_ADD[0])
+    _add = NativeChain.add
+    _py_adds = 0
+
+    def _counted_add(self: Any, *args: Any, **kwargs: Any) -> bool:
+        global _py_adds
+        _py_adds += 1
+        if _py_adds > _add_limit:
+            raise RuntimeError(
+                f"{_py_adds} ops queued on the native chain through Python (limit {_add_limit})"
+            )
+        return bool(_add(self, *args, **kwargs))
+
+    NativeChain.add = _counted_add  # type: ignore[method-assign]

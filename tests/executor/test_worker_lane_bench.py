@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(extension() is None, reason="the native worker loop is not built here")
-def test_worker_lane_bench_prints_its_split() -> None:
+@pytest.mark.parametrize("flags", [[], ["--wire"]])
+def test_worker_lane_bench_prints_its_split(flags: list[str]) -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "worker_lane.py"), "--ops", "400", "--repeat", "1"],
+        [sys.executable, str(ROOT / "bench" / "worker_lane.py"), "--ops", "400", "--repeat", "1", *flags],
         capture_output=True,
         text=True,
         timeout=300,

@@ -309,6 +309,10 @@ class Worker:
             return None
         return chain
 
+    def resolved_calls(self) -> dict[Any, LocalCall | None]:
+        """Every resolved local call by replay key (read by the native lanes; ``None``: the general path's)."""
+        return self._resolved
+
     def resolved_call(self, key: Any) -> LocalCall | None:
         """The resolved local call of replay key ``key`` (``None``: not resolved yet, or the general path's)."""
         return self._resolved.get(key)

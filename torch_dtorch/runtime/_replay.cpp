@@ -550,6 +550,89 @@ py::tuple queue_runs(py::object batch, int64_t start, py::handle fastrun, py::ha
   return py::make_tuple(static_cast<int64_t>(i), queued);
 }
 
+// Process mode's hit records (cluster/codec/hit_worker.py): from word ``p`` to ``end`` of a batch's hit frame
+// (``words``, a list of ints), queue every hit record whose template (``hts[w >> 2]``) this worker resolved to a
+// native call (``resolved[template.tm]``) onto the chain, skip records of other devices, and apply every free record
+// (kind ``free_kind``: ``chain_free`` while the chain holds ops, else the blobs go). A hit record is
+// ``w, node id, first output id, slot ids...`` (an absent slot is -1). Stops at the first hit it cannot queue.
+// Returns ``(word index of that record, ops queued)``.
+py::tuple queue_records(py::list words, int64_t p, int64_t end, py::list hts, py::dict resolved, int64_t device,
+                        int64_t free_kind, py::list steps, py::list ops, py::dict ext, py::set produced,
+                        py::set dropped, py::dict blobs, py::object wait) {
+  static PyObject* s_tm = interned("tm");
+  static PyObject* s_native = interned("native");
+  static PyObject* s_op = interned("op");
+  static PyObject* s_devices = interned("devices");
+  static PyObject* s_n_slots = interned("n_slots");
+  static PyObject* s_dense = interned("dense");
+  static PyObject* s_n_out = interned("n_out");
+  ChainRefs c{steps, ops, ext, produced, dropped, blobs, wait};
+  PyObject* w_list = words.ptr();
+  if (end > PyList_GET_SIZE(w_list) || p < 0) throw py::index_error("hit records past the hit frame");
+  auto word = [&](int64_t at) -> int64_t {
+    int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(w_list, at));
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    return v;
+  };
+  py::int_ dev(device);
+  int64_t queued = 0;
+  while (p < end) {
+    int64_t w = word(p);
+    if ((w & 3) == free_kind) {
+      int64_t q = p + 1 + (w >> 2);
+      if (q > end) throw py::index_error("a free record past its hit run");
+      py::list ids;
+      for (int64_t k = p + 1; k < q; ++k) ids.append(py::handle(PyList_GET_ITEM(w_list, k)));
+      if (PyList_GET_SIZE(ops.ptr()) > 0) {
+        chain_free(c, ids.ptr());
+      } else {
+        for (int64_t k = p + 1; k < q; ++k) {
+          if (PyDict_DelItem(blobs.ptr(), PyList_GET_ITEM(w_list, k)) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) throw py::error_already_set();
+            PyErr_Clear();
+          }
+        }
+      }
+      p = q;
+      continue;
+    }
+    PyObject* ht = PyList_GetItem(hts.ptr(), static_cast<Py_ssize_t>(w >> 2));  // borrowed; checked index
+    if (ht == nullptr) throw py::error_already_set();
+    int64_t n_slots = attr(ht, s_n_slots).cast<int64_t>();
+    int64_t q = p + 3 + n_slots;
+    if (q > end) throw py::index_error("a hit record past its hit run");
+    int here = PySequence_Contains(attr(ht, s_devices).ptr(), dev.ptr());
+    if (here < 0) throw py::error_already_set();
+    if (!here) {
+      p = q;
+      continue;
+    }
+    PyObject* call = PyDict_GetItemWithError(resolved.ptr(), attr(ht, s_tm).ptr());  // borrowed
+    if (call == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      break;
+    }
+    if (call == Py_None) break;
+    py::object native = attr(call, s_native);
+    if (native.cast<int64_t>() < 0) break;
+    bool dense = attr(ht, s_dense).cast<bool>();
+    py::list ins;
+    for (int64_t k = p + 3; k < q; ++k) {
+      PyObject* i = PyList_GET_ITEM(w_list, k);
+      if (!dense && word(k) < 0) continue;  // an absent slot
+      ins.append(py::handle(i));
+    }
+    int64_t first = word(p + 2);
+    int64_t n_out = attr(ht, s_n_out).cast<int64_t>();
+    py::list outs;
+    for (int64_t o = 0; o < n_out; ++o) outs.append(py::int_(first + o));
+    if (!chain_add(c, native.ptr(), attr(ht, s_op).ptr(), ins.ptr(), outs.ptr(), Py_None)) break;
+    ++queued;
+    p = q;
+  }
+  return py::make_tuple(p, queued);
+}
+
 std::string name_of(int64_t handle) {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_calls.at(static_cast<size_t>(handle)).name;
@@ -566,5 +649,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add", &add);
   m.def("queue_runs", &queue_runs);
   m.def("free", &free_ids);
+  m.def("queue_records", &queue_records);
   m.def("take_peak", []() { return py::make_tuple(g_peak.exchange(0), g_end.exchange(0)); });
 }

@@ -161,6 +161,29 @@ class NativeChain:
         )  # fmt: skip
         return int(i), int(queued)
 
+    def queue_records(
+        self,
+        words: list[int],
+        start: int,
+        end: int,
+        *,
+        templates: list[Any],
+        resolved: dict[Any, Any],
+        device: int,
+        free_kind: int,
+    ) -> tuple[int, int]:
+        """Process mode's hot lane (``_replay.cpp``'s ``queue_records``): from word ``start`` to ``end`` of a hit
+        frame, queue every hit record whose template (``templates[w >> 2]``) the worker resolved to a native call
+        (``resolved[template.tm]``) as :meth:`add`, skip other devices' records, apply free records as :meth:`free`
+        (or drop the blobs while the chain is empty). Returns the word index of the first record not queued and how
+        many ops were queued."""
+        assert self._module is not None
+        p, queued = self._module.queue_records(
+            words, start, end, templates, resolved, device, free_kind,
+            self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, self._wait,
+        )  # fmt: skip
+        return int(p), int(queued)
+
     def free(self, operand_ids: Sequence[int]) -> None:
         """A ``Free`` inside the chain: blobs go at once; the tensors the chain made or read of those ids go at this
         point of the chain (a free step of the native loop: ``_replay.cpp``'s ``chain_free``), and what it made of

@@ -4,7 +4,8 @@ A record whose template this worker already resolved to a native call is queued 
 no ``RunOp``, ``Operator``, ``OpCall`` or ``Operand`` is made for it. Anything else — the template's first record
 on this worker (it resolves there), a poisoned or missing input, replay off, validation or kernel hooks, a call the
 native loop cannot take — is materialized into its ``RunOp`` and run like any other instruction (sticky errors,
-hooks and heartbeat progress as on the general path). Frees between the hits free blobs in order.
+hooks and heartbeat progress as on the general path). Frees between the hits free blobs in order. The queueing
+itself is C++ (``NativeChain.queue_records``): the worker process spends no Python per queued record.
 
 Registered when :mod:`torch_dtorch.cluster.codec` is imported, so whoever decodes batches can run them.
 """
@@ -19,44 +20,38 @@ __all__ = ["run_hits"]
 
 @register_instruction(HitRun)
 def run_hits(worker: Worker, run: HitRun) -> None:
-    """Run the records ``run`` holds on ``worker`` (see the module docstring)."""
+    """Run the records ``run`` holds on ``worker`` (see the module docstring). With the native chain, runs of
+    queueable records and free records go through ``NativeChain.queue_records`` (C++); a hit record it stops at is
+    materialized here."""
     dec, words = run.dec, run.words
     hts = dec._tables["hit"]
     chain = worker.replay_chain()
-    resolved = worker.resolved_call
+    resolved = worker.resolved_calls()
     device = worker.device
     blobs = worker.blobs
     progress = dec.progress
     p, end = run.start, run.end
     try:
         while p < end:
+            if chain is not None:
+                p, queued = chain.queue_records(
+                    words, p, end, templates=hts, resolved=resolved, device=device, free_kind=FREE
+                )
+                worker.executed += queued
+                worker.replayed += queued
+                if p >= end:
+                    break
             w = words[p]
-            if w & 3 == FREE:
+            if w & 3 == FREE:  # (without a chain: the lane takes free records)
                 q = p + 1 + (w >> 2)
-                if chain is not None and len(chain):
-                    chain.free(words[p + 1 : q])
-                else:
-                    pop = blobs.pop
-                    for i in words[p + 1 : q]:
-                        pop(i, None)
+                pop = blobs.pop
+                for i in words[p + 1 : q]:
+                    pop(i, None)
                 p = q
                 continue
             ht = hts[w >> 2]
             q = p + 3 + ht.n_slots
-            if device in ht.devices:
-                if chain is not None:
-                    call = resolved(ht.tm)
-                    if call is not None and call.native >= 0:
-                        ins = words[p + 3 : q]
-                        if not ht.dense:
-                            ins = [i for i in ins if i >= 0]
-                        first = words[p + 2]
-                        outs = [first] if ht.n_out == 1 else list(range(first, first + ht.n_out))
-                        if chain.add(call.native, ht.op, ins, outs, None):
-                            worker.executed += 1
-                            worker.replayed += 1
-                            p = q
-                            continue
+            if device in ht.devices:  # (with a chain: a hit the lane could not queue)
                 instr = dec.materialize(ht, words[p + 1], words[p + 3 : q], words[p + 2])
                 if progress is not None:
                     progress(f"{instr.node.name} -> %{words[p + 2]}")
