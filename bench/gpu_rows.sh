@@ -1,8 +1,11 @@
 #!/bin/bash
 # The GPU rows the open issues still need, in one command on a one-GPU machine (H100 or H200), each with its
-# torch/inductor baseline in the same run: bash bench/gpu_rows.sh [GROUP...]  (default: every group, in order)
+# torch/inductor baseline in the same run: bash bench/gpu_rows.sh [GROUP...]  (default: every group, in order;
+# about 25 minutes in all, so on a machine with a 10-minute limit per command run two or three groups per call)
 #
 # Groups (each step has its own time limit, so one slow row cannot eat the rest):
+#   cuda    the CUDA tests first: the eager suite on CUDA worker threads (the native lanes' stream waits) and the
+#           GPU-marked tests of the executor, cluster and compile backend
 #   train   issue 24: compiled training (time and peak memory, after the donation of saved activations),
 #           eager training, the simulated tp2 / dp2 modes
 #   e2e     issue 20: a small CUDA op end to end (worker overhead over torch, thread and process mode)
@@ -35,9 +38,14 @@ python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$LOG"
 step 150 python3 -c "from torch_dtorch.device import native; from torch_dtorch.runtime import native_replay; \
 native.load(); native_replay.extension()"
 
-groups=${*:-train e2e llama sd3}
+groups=${*:-cuda train e2e llama sd3}
 for g in $groups; do
   case $g in
+    cuda)
+      step 300 env DTORCH_TEST_DEVICE=cuda python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/eager
+      step 200 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/executor tests/cluster tests/backend \
+        tests/training tests/collectives
+      ;;
     train)
       step 90 python3 -m pytest -q -p no:cacheprovider tests/training/test_donation.py
       step 150 python3 bench/train_gpu.py --modes inductor dtorch-compiled --repeat 3 --warmup 2
@@ -60,7 +68,7 @@ for g in $groups; do
         --quant fp8 --fuse --cache-skip 0.5 --accelerated-only
       ;;
     *)
-      echo "unknown group $g (train, e2e, llama, sd3)" | tee -a "$LOG"
+      echo "unknown group $g (cuda, train, e2e, llama, sd3)" | tee -a "$LOG"
       ;;
   esac
 done
