@@ -184,8 +184,7 @@ class CompiledGraph:
         # boxed convention: drop the inputs now, so that the Free of those that die (a backward's saved activations)
         # follows the RunProgram in the same batch and the workers donate them to the program (``program.py``)
         args.clear()
-        TABLE.drain()
-        executor.flush()  # a whole compiled program starts on the workers now
+        executor.flush()  # (drains the tensor table's frees first); a whole compiled program starts on the workers now
         gen = rt.generation
         on_free = _free_callback(rt)
         table_wrap = TABLE.wrap

@@ -313,10 +313,6 @@ class Worker:
         """Every resolved local call by replay key (read by the native lanes; ``None``: the general path's)."""
         return self._resolved
 
-    def resolved_call(self, key: Any) -> LocalCall | None:
-        """The resolved local call of replay key ``key`` (``None``: not resolved yet, or the general path's)."""
-        return self._resolved.get(key)
-
     def run_one(self, instr: Instruction, chain: NativeChain | None) -> None:
         """Run one instruction as :meth:`run_batch` does (queued on ``chain`` when it replays, after flushing it
         otherwise)."""

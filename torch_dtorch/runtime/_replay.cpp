@@ -347,10 +347,25 @@ struct ChainRefs {
   py::object wait;
 };
 
+// ``NativeChain._refs()``: ``(steps, ops, ext, produced, dropped, blobs, wait)``
+ChainRefs refs_of(const py::tuple& t) {
+  if (t.size() != 7) throw py::value_error("a chain's containers: (steps, ops, ext, produced, dropped, blobs, wait)");
+  return ChainRefs{t[0].cast<py::list>(), t[1].cast<py::list>(), t[2].cast<py::dict>(), t[3].cast<py::set>(),
+                   t[4].cast<py::set>(),  t[5].cast<py::dict>(), t[6].cast<py::object>()};
+}
+
 PyObject* interned(const char* s) {
   PyObject* o = PyUnicode_InternFromString(s);  // kept for the process's life
   if (o == nullptr) throw py::error_already_set();
   return o;
+}
+
+// ``blobs.pop(i, None)``
+void drop_blob(const py::dict& blobs, PyObject* i) {
+  if (PyDict_DelItem(blobs.ptr(), i) < 0) {
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) throw py::error_already_set();
+    PyErr_Clear();
+  }
 }
 
 py::object attr(PyObject* o, PyObject* name) {
@@ -419,9 +434,8 @@ bool chain_add(ChainRefs& c, PyObject* handle, PyObject* op, PyObject* in_ids, P
   return true;
 }
 
-bool add(py::list steps, py::list ops, py::dict ext, py::set produced, py::set dropped, py::dict blobs,
-         py::object wait, py::object handle, py::object op, py::list in_ids, py::list out_ids, py::object site) {
-  ChainRefs c{steps, ops, ext, produced, dropped, blobs, wait};
+bool add(py::tuple chain, py::object handle, py::object op, py::list in_ids, py::list out_ids, py::object site) {
+  ChainRefs c = refs_of(chain);
   return chain_add(c, handle.ptr(), op.ptr(), in_ids.ptr(), out_ids.ptr(), site.ptr());
 }
 
@@ -444,10 +458,7 @@ void chain_free(ChainRefs& c, PyObject* ids) {
       if (read < 0) throw py::error_already_set();
       if (read) gone.append(py::handle(i));  // (its blob goes now; the chain holds the tensor until this point)
     }
-    if (PyDict_DelItem(c.blobs.ptr(), i) < 0) {
-      if (!PyErr_ExceptionMatches(PyExc_KeyError)) throw py::error_already_set();
-      PyErr_Clear();
-    }
+    drop_blob(c.blobs, i);
   }
   Py_ssize_t n_gone = PyList_GET_SIZE(gone.ptr());
   if (n_gone) {  // the native loop drops them at this point of the chain, not at its end
@@ -457,9 +468,8 @@ void chain_free(ChainRefs& c, PyObject* ids) {
   }
 }
 
-void free_ids(py::list steps, py::list ops, py::dict ext, py::set produced, py::set dropped, py::dict blobs,
-              py::object ids) {
-  ChainRefs c{steps, ops, ext, produced, dropped, blobs, py::none()};
+void free_ids(py::tuple chain, py::object ids) {
+  ChainRefs c = refs_of(chain);
   chain_free(c, ids.ptr());
 }
 
@@ -480,14 +490,11 @@ py::list ids_of(PyObject* operands) {
 // ``Worker.run_batch``'s hot lane from ``batch[start]``: queue every consecutive ``FastRun`` whose plan this worker
 // resolved to a native call (``resolved[key]``, ``key`` the plan or ``key_of(run)`` for a plan whose constants vary)
 // onto the chain, and every ``Free`` while the chain holds ops (``chain_free``); runs for other devices are skipped.
-// Stops at the first instruction it cannot queue (another type,
-// an unresolved plan, a plan with moves, one ``replayable(plan, checked)`` rejects, an input the chain cannot read).
-// Returns ``(index of that instruction, ops queued)``.
-py::tuple queue_runs(py::object batch, int64_t start, py::handle fastrun, py::handle free_type, py::dict resolved,
-                     py::set checked,
-                     py::object replayable, py::object key_of, py::handle unresolved, py::object device,
-                     py::list steps, py::list ops, py::dict ext, py::set produced, py::set dropped, py::dict blobs,
-                     py::object wait) {
+// Stops at the first instruction it cannot queue (another type, an unresolved plan, a plan with moves, one
+// ``replayable(plan, checked)`` rejects, an input the chain cannot read). Returns ``(its index, ops queued)``.
+py::tuple queue_runs(py::tuple chain, py::object batch, int64_t start, py::handle fastrun, py::handle free_type,
+                     py::dict resolved, py::set checked, py::object replayable, py::object key_of,
+                     py::handle unresolved, py::object device) {
   static PyObject* s_plan = interned("plan");
   static PyObject* s_varies = interned("varies");
   static PyObject* s_native = interned("native");
@@ -499,7 +506,7 @@ py::tuple queue_runs(py::object batch, int64_t start, py::handle fastrun, py::ha
   static PyObject* s_op = interned("op");
   static PyObject* s_site = interned("call_site");
   static PyObject* s_ids = interned("operand_ids");
-  ChainRefs c{steps, ops, ext, produced, dropped, blobs, wait};
+  ChainRefs c = refs_of(chain);
   // a list or tuple as is (the thread runner's batches are tuples)
   py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(batch.ptr(), "a batch"));
   if (!items) throw py::error_already_set();
@@ -509,7 +516,7 @@ py::tuple queue_runs(py::object batch, int64_t start, py::handle fastrun, py::ha
   for (; i < n; ++i) {
     PyObject* run = PySequence_Fast_GET_ITEM(items.ptr(), i);
     PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(run));
-    if (type == free_type.ptr() && PyList_GET_SIZE(ops.ptr()) > 0) {  // a Free inside the chain
+    if (type == free_type.ptr() && PyList_GET_SIZE(c.ops.ptr()) > 0) {  // a Free inside the chain
       chain_free(c, attr(run, s_ids).ptr());
       continue;
     }
@@ -556,9 +563,8 @@ py::tuple queue_runs(py::object batch, int64_t start, py::handle fastrun, py::ha
 // (kind ``free_kind``: ``chain_free`` while the chain holds ops, else the blobs go). A hit record is
 // ``w, node id, first output id, slot ids...`` (an absent slot is -1). Stops at the first hit it cannot queue.
 // Returns ``(word index of that record, ops queued)``.
-py::tuple queue_records(py::list words, int64_t p, int64_t end, py::list hts, py::dict resolved, int64_t device,
-                        int64_t free_kind, py::list steps, py::list ops, py::dict ext, py::set produced,
-                        py::set dropped, py::dict blobs, py::object wait) {
+py::tuple queue_records(py::tuple chain, py::list words, int64_t p, int64_t end, py::list hts, py::dict resolved,
+                        int64_t device, int64_t free_kind) {
   static PyObject* s_tm = interned("tm");
   static PyObject* s_native = interned("native");
   static PyObject* s_op = interned("op");
@@ -566,7 +572,7 @@ py::tuple queue_records(py::list words, int64_t p, int64_t end, py::list hts, py
   static PyObject* s_n_slots = interned("n_slots");
   static PyObject* s_dense = interned("dense");
   static PyObject* s_n_out = interned("n_out");
-  ChainRefs c{steps, ops, ext, produced, dropped, blobs, wait};
+  ChainRefs c = refs_of(chain);
   PyObject* w_list = words.ptr();
   if (end > PyList_GET_SIZE(w_list) || p < 0) throw py::index_error("hit records past the hit frame");
   auto word = [&](int64_t at) -> int64_t {
@@ -583,15 +589,10 @@ py::tuple queue_records(py::list words, int64_t p, int64_t end, py::list hts, py
       if (q > end) throw py::index_error("a free record past its hit run");
       py::list ids;
       for (int64_t k = p + 1; k < q; ++k) ids.append(py::handle(PyList_GET_ITEM(w_list, k)));
-      if (PyList_GET_SIZE(ops.ptr()) > 0) {
+      if (PyList_GET_SIZE(c.ops.ptr()) > 0) {
         chain_free(c, ids.ptr());
       } else {
-        for (int64_t k = p + 1; k < q; ++k) {
-          if (PyDict_DelItem(blobs.ptr(), PyList_GET_ITEM(w_list, k)) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) throw py::error_already_set();
-            PyErr_Clear();
-          }
-        }
+        for (int64_t k = p + 1; k < q; ++k) drop_blob(c.blobs, PyList_GET_ITEM(w_list, k));
       }
       p = q;
       continue;

@@ -113,6 +113,10 @@ class NativeChain:
             (lambda fresh: stream.wait_for(fresh, COMPUTE)) if stream is not None and stream.is_cuda else None
         )
 
+    def _refs(self) -> tuple[Any, ...]:
+        """The containers ``_replay.cpp``'s chain functions work on (its ``refs_of``); ``flush`` replaces them."""
+        return (self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, self._wait)
+
     @property
     def available(self) -> bool:
         return self._module is not None
@@ -128,12 +132,7 @@ class NativeChain:
         ``add``: the chain's first read of a blob is waited for on the compute stream and keeps its tensor in the
         chain's external inputs; the op's step is appended and its outputs noted as produced.)"""
         assert self._module is not None
-        return bool(
-            self._module.add(
-                self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, self._wait,
-                handle, op, list(input_ids), list(output_ids), call_site,
-            )
-        )  # fmt: skip
+        return bool(self._module.add(self._refs(), handle, op, list(input_ids), list(output_ids), call_site))
 
     def queue_runs(
         self,
@@ -156,9 +155,18 @@ class NativeChain:
         were queued: the worker's per-op Python is one C++ call per run of hits."""
         assert self._module is not None
         i, queued = self._module.queue_runs(
-            batch, start, fastrun, free, resolved, checked, replayable, key_of, unresolved, device,
-            self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, self._wait,
-        )  # fmt: skip
+            self._refs(),
+            batch,
+            start,
+            fastrun,
+            free,
+            resolved,
+            checked,
+            replayable,
+            key_of,
+            unresolved,
+            device,
+        )
         return int(i), int(queued)
 
     def queue_records(
@@ -179,9 +187,8 @@ class NativeChain:
         many ops were queued."""
         assert self._module is not None
         p, queued = self._module.queue_records(
-            words, start, end, templates, resolved, device, free_kind,
-            self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, self._wait,
-        )  # fmt: skip
+            self._refs(), words, start, end, templates, resolved, device, free_kind
+        )
         return int(p), int(queued)
 
     def free(self, operand_ids: Sequence[int]) -> None:
@@ -189,9 +196,7 @@ class NativeChain:
         point of the chain (a free step of the native loop: ``_replay.cpp``'s ``chain_free``), and what it made of
         them is not published."""
         assert self._module is not None
-        self._module.free(
-            self._steps, self._ops, self._ext, self._produced, self._dropped, self.blobs, operand_ids
-        )
+        self._module.free(self._refs(), operand_ids)
 
     def flush(self) -> int:
         """Run the queued ops; publish their outputs as blobs. Returns how many ops ran (or failed)."""
