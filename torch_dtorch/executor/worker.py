@@ -26,16 +26,17 @@ from torch_dtorch.executor.instructions import (
     RunOp,
     Upload,
 )
+from torch_dtorch.executor.worker_io import WorkerTransfers
 from torch_dtorch.graph import Operand
 from torch_dtorch.placement_rules import OpCall
-from torch_dtorch.runtime.blob import Blob, KernelError
+from torch_dtorch.runtime.blob import Blob
 from torch_dtorch.runtime.native_replay import NativeChain
 from torch_dtorch.runtime.native_replay import extension as native_extension
 from torch_dtorch.runtime.native_replay import release as release_handles
 from torch_dtorch.runtime.op_runner import OpRunner, kernel_hooks
 from torch_dtorch.runtime.replay import AMBIGUOUS, LocalCall, resolve
 from torch_dtorch.runtime.sticky import PoisonBoard
-from torch_dtorch.runtime.stream import COMPUTE, KernelStream
+from torch_dtorch.runtime.stream import KernelStream
 
 __all__ = ["Worker", "declare_worker_module", "register_instruction", "worker_modules"]
 
@@ -85,7 +86,7 @@ def register_instruction(
     return deco
 
 
-class Worker:
+class Worker(WorkerTransfers):
     """Holds the blobs of one device and executes instructions for it.
 
     Args:
@@ -447,67 +448,6 @@ class Worker:
         self.executed += 1
         self.replayed += 1
         return True
-
-    def _upload(self, instr: Upload) -> None:
-        x = instr.operand
-        try:
-            value = self.store.pop((instr.key, self.device))
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"the store holds {type(value).__name__} under {(instr.key, self.device)}")
-            if self.stream is not None and self.stream.is_cuda:
-                if value.device == self.torch_device:
-                    # already here (a CUDA IPC upload, copied on the receiving thread's stream and complete): the
-                    # compute stream uses memory another stream allocated (rule 3 of runtime/stream.py)
-                    value = self.stream.adopt(value, COMPUTE)
-                else:
-                    value = self.stream.upload(value, COMPUTE)
-            elif value.device != self.torch_device:
-                value = value.to(self.torch_device)
-            if self.op_runner.validate:
-                self.op_runner.check_output("upload", 0, value, x)
-            blob = Blob(value)
-            if self.stream is not None:
-                self.stream.stamp([blob], COMPUTE)
-        except KernelError as e:
-            blob = Blob(error=e)
-        except Exception as e:  # noqa: BLE001 - becomes the operand's sticky error
-            err = KernelError("upload", self.device, e, detail=f"of {x.describe()}")
-            err.__cause__ = e
-            blob = Blob(error=err)
-        self.blobs[x.id] = blob
-
-    def _fetch(self, instr: Fetch) -> None:
-        x = instr.operand
-        value: Any
-        b = self.blobs.get(x.id)
-        try:
-            if b is None:
-                value = KernelError(
-                    "fetch",
-                    self.device,
-                    f"{x.name} has no data on this worker (never uploaded or computed here, or already freed)",
-                )
-            elif b.error is not None:
-                value = b.error
-            else:
-                assert b.tensor is not None
-                if self.stream is not None and self.stream.is_cuda:
-                    self.stream.wait_for([b], COMPUTE)
-                    with self.stream.use(COMPUTE):
-                        value = b.tensor.to("cpu", copy=True)
-                else:
-                    value = b.tensor.clone()
-        except Exception as e:  # noqa: BLE001 - delivered to the controller instead of a tensor
-            value = KernelError("fetch", self.device, e, detail=f"of {x.name}")
-        self.store.put((instr.key, self.device), value)
-
-    def _barrier(self, instr: Barrier) -> None:
-        if self.stream is not None:
-            try:
-                self.stream.synchronize()
-            except Exception:  # noqa: BLE001 - the marker must still arrive
-                log.exception("worker %d: synchronize failed at a barrier", self.device)
-        self.store.put((instr.key, self.device), torch.empty(0))
 
     def _call_site(self, instr: RunOp | Redistribute) -> str | None:
         if instr.call_site is not None:
