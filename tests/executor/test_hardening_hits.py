@@ -109,3 +109,26 @@ def test_hit_bytes_are_worked_out_once_per_plan(small_pool: tuple[MemoryGuard, t
         mems[0]
     ) == 1  # the same object: not worked out again
     del y, z
+
+
+def test_the_frees_of_dead_outputs_wait_for_a_group_and_for_every_sync() -> None:
+    """Dead operands join the instruction stream ``DRAIN_AT`` at a time (the per-op path only counts them), and a
+    sync or flush sends every one: the workers hold a dead output at most that many ops longer."""
+    from torch_dtorch.executor.eager_planned import DRAIN_AT
+
+    mesh = dt.init_device_mesh("cpu", (2,))
+    x = dt.distribute_tensor(torch.randn(_ROWS, 64), mesh, [Shard(0)])
+    ex = dt.device.state.get_session().executor
+    y = x + 1
+    dt.sync()
+    assert not ex._dead
+    for _ in range(DRAIN_AT // 2):
+        y = x + 1  # the previous y dies
+    assert DRAIN_AT // 2 - 2 <= len(ex._dead) <= DRAIN_AT // 2  # counted, not yet in front of an instruction
+    for _ in range(3 * DRAIN_AT):
+        y = x + 1
+        assert len(ex._dead) <= DRAIN_AT  # drained in groups
+    dt.sync()
+    assert not ex._dead
+    assert _live_bytes() == 2 * _ROWS * 64 * 4  # x and y, nothing dead, on the workers
+    torch.testing.assert_close(y.full_tensor(), x.full_tensor() + 1)

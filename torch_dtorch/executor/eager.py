@@ -28,7 +28,7 @@ from torch_dtorch._compat import replay_views
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
 from torch_dtorch.executor.copy_views import CopyViews
-from torch_dtorch.executor.eager_planned import PlannedRecorder, user_call_site
+from torch_dtorch.executor.eager_planned import DRAIN_AT, PlannedRecorder, user_call_site
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.instructions import (
     Barrier,
@@ -214,7 +214,7 @@ class EagerGraphExecutor:
     def _append(self, instr: Instruction) -> None:
         # callers hold self._lock
         pending = self._pending
-        if self._dead:
+        if len(self._dead) >= DRAIN_AT:
             self._drain_dead()
         pending.append(instr)
         self._last = time.monotonic()

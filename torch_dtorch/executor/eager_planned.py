@@ -26,6 +26,7 @@ from torch_dtorch.executor.constructor import (
 )
 from torch_dtorch.executor.fast import FastPlan, replay_moves
 from torch_dtorch.executor.instructions import FastRun, RunOp
+from torch_dtorch.executor.memory_check import HitBytes
 from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements
@@ -34,10 +35,15 @@ from torch_dtorch.placement_rules import OpCall, OpRule
 if TYPE_CHECKING:
     from torch_dtorch.executor.eager import EagerGraphExecutor
 
-__all__ = ["PlannedRecorder", "user_call_site"]
+__all__ = ["DRAIN_AT", "PlannedRecorder", "user_call_site"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+#: dead operands that wait for the next instruction before their ``Free`` is put in front of it: draining them in
+#: groups (and at every flush and sync) costs the per-op path one length check instead of a ``Free`` update and a
+#: memory-ledger release per op; a blob lives at most this many ops longer on the workers
+DRAIN_AT = 16
 
 
 class PlannedRecorder:
@@ -97,8 +103,8 @@ class PlannedRecorder:
                 planned = guard.planned_bytes
                 if i >= 0 and planned[i] + n <= guard.budget[i]:  # one pool (the common case), inline
                     planned[i] += n
-                elif (i >= 0 or not guard.hit(mem)) and not guard.recheck(mem):
-                    guard.settle(str(plan.op), mem)  # (syncs the executor: the guard's settle callback)
+                else:
+                    self._admit_past_budget(plan, mem)
         with self._lock:
             if ex._closed:
                 ex._check_open()
@@ -147,7 +153,7 @@ class PlannedRecorder:
                 plan, args, inputs, outs, first, opid, user_call_site() if get_config().debug else None
             )
             # ex._append, inline
-            if self._dead:
+            if len(self._dead) >= DRAIN_AT:
                 ex._drain_dead()
             if tracked is not None and outs:  # the bytes die with the output (memory_ledger.py)
                 guard.ledger.track_hit(outs[0].id, tracked.per_pool)  # type: ignore[union-attr]
@@ -162,6 +168,18 @@ class PlannedRecorder:
             if self._cv_live:  # a write refreshes the copy-views of its storage; views of them are tracked
                 self._copy_views.after_call(plan.rule, outs)
             return outs
+
+    def _admit_past_budget(self, plan: FastPlan, mem: HitBytes) -> None:
+        """The pre-check of a hit whose bytes pass the last free figure: first the dead operands' ``Free``s (they
+        wait for ``DRAIN_AT`` of them; their bytes are no longer planned once drained), then a fresh figure, and
+        if that is not enough either, settle (:meth:`MemoryGuard.settle`: syncs the executor, may raise)."""
+        guard = mem.guard
+        if self._dead:
+            with self._lock:
+                self._ex._drain_dead()
+        if guard.hit(mem) or guard.recheck(mem):
+            return
+        guard.settle(str(plan.op), mem)
 
     def call_planned(
         self,
