@@ -191,6 +191,46 @@ def test_native_kernel_serves_repeated_calls() -> None:
 
 
 @native_only
+def test_attention_and_casts_that_stay_on_dtorch_hit_in_cpp() -> None:
+    """SDPA without grad (an inference step; its own autograd kernel sits behind a native gate) and the ``to``
+    overloads whose target is dtorch hit in C++; ``to`` that leaves dtorch still gathers, and SDPA under grad still
+    takes the attention's own autograd."""
+    mesh = init_mesh((2,))
+    q = dt.distribute_tensor(torch.randn(2, 4, 3, 8), mesh, [Shard(1)])
+    k = dt.distribute_tensor(torch.randn(2, 4, 5, 8), mesh, [Shard(1)])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = (
+        lambda: sdpa(q, k, k, scale=0.3),
+        lambda: q.to("dtorch"),
+        lambda: q.to(torch.float64),
+        lambda: q.to("dtorch", torch.float16),
+        lambda: q.to(q),
+        lambda: torch.ops.aten._to_copy.default(q, dtype=torch.float64),
+    )
+    with torch.no_grad():
+        for fn in calls:
+            fn()
+            before = TABLE._m.stats()  # type: ignore[union-attr]
+            for _ in range(3):
+                fn()
+            after = TABLE._m.stats()  # type: ignore[union-attr]
+            assert after["hit"] - before["hit"] == 3 and after["miss"] == before["miss"], (fn, before, after)
+        want = sdpa(q.full_tensor(), k.full_tensor(), k.full_tensor(), scale=0.3)
+        torch.testing.assert_close(sdpa(q, k, k, scale=0.3).full_tensor(), want)
+        torch.testing.assert_close(q.to("dtorch", torch.float16).full_tensor(), q.full_tensor().half())
+        left = q.to("cpu")
+        assert left.device.type == "cpu"
+        torch.testing.assert_close(left, q.full_tensor())
+    qg = q.detach().requires_grad_()
+    out = sdpa(qg, k, k, scale=0.3)
+    assert out.grad_fn is not None and "Attention" in type(out.grad_fn).__name__
+    out.sum().backward()
+    ref = q.full_tensor().requires_grad_()
+    sdpa(ref, k.full_tensor(), k.full_tensor(), scale=0.3).sum().backward()
+    torch.testing.assert_close(qg.grad.full_tensor(), ref.grad)
+
+
+@native_only
 @pytest.mark.parametrize("pl", [[Replicate()], [Shard(0)], [Shard(1)]], ids=["replicate", "shard0", "shard1"])
 def test_native_kernel_serves_tensor_list_ops(pl: list[Any]) -> None:
     """``cat`` (the op's one ``Tensor[]``, keyed by every element's layout and the count) hits in C++ from the

@@ -616,40 +616,59 @@ void register_kernel(const std::string& ns, const std::string& name, py::object 
   g_libs->push_back(std::move(lib));
 }
 
-// The AutogradPrivateUse1 kernel of a composite op: it decomposes when autograd must see primitives (an input
-// requires grad), else goes on below autograd whole (to the fast kernel).
-void composite_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+// Whether autograd must see the call on the stack: grad mode on and an input (or a list element) requires grad.
+bool needs_grad(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!c10::GradMode::is_enabled()) {
+    return false;
+  }
   const size_t n = op.schema().arguments().size();
-  bool grad = false;
-  if (c10::GradMode::is_enabled()) {
-    for (const c10::IValue& v : torch::jit::last(*stack, n)) {
-      if (v.isTensor()) {
-        grad = v.toTensor().requires_grad();
-      } else if (v.isTensorList()) {
-        for (const at::Tensor& t : v.toTensorList().vec()) {
-          grad = grad || (t.defined() && t.requires_grad());
-        }
-      } else if (v.isList()) {
-        for (const c10::IValue& x : v.toListRef()) {
-          grad = grad || (x.isTensor() && x.toTensor().requires_grad());
+  for (const c10::IValue& v : torch::jit::last(*stack, n)) {
+    if (v.isTensor()) {
+      if (v.toTensor().requires_grad()) {
+        return true;
+      }
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) {
+        if (t.defined() && t.requires_grad()) {
+          return true;
         }
       }
-      if (grad) {
-        break;
+    } else if (v.isList()) {
+      for (const c10::IValue& x : v.toListRef()) {
+        if (x.isTensor() && x.toTensor().requires_grad()) {
+          return true;
+        }
       }
     }
   }
-  if (grad) {
-    op.callBoxedForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd, *stack);
-  } else {
-    op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
-  }
+  return false;
 }
 
-void register_composite(const std::string& ns, const std::string& name) {
+// The AutogradPrivateUse1 kernel of a composite op: where autograd must see the call, the kernel of ``grad_key``
+// (CompositeImplicitAutograd: the op decomposes into primitives; AutogradPrivateUse2: the op's own autograd kernel,
+// registered there from Python), else on below autograd whole (to the fast kernel).
+class CompositeAutograd final : public c10::OperatorKernel {
+ public:
+  explicit CompositeAutograd(c10::DispatchKey grad_key) : grad_key_(grad_key) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    if (needs_grad(op, stack)) {
+      op.callBoxedForDispatchKey(grad_key_, *stack);
+    } else {
+      op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+    }
+  }
+
+ private:
+  c10::DispatchKey grad_key_;
+};
+
+void register_composite(const std::string& ns, const std::string& name, bool own_autograd) {
   auto lib = std::make_unique<torch::Library>(
       torch::Library::IMPL, ns, std::make_optional(c10::DispatchKey::AutogradPrivateUse1), __FILE__, __LINE__);
-  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&composite_autograd>());
+  const auto grad_key =
+      own_autograd ? c10::DispatchKey::AutogradPrivateUse2 : c10::DispatchKey::CompositeImplicitAutograd;
+  lib->impl(name.c_str(),
+            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CompositeAutograd>(grad_key)));
   g_libs->push_back(std::move(lib));
 }
 
@@ -676,6 +695,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_hooks", &set_hooks);
   m.def("invalidate", &invalidate);
   m.def("register_kernel", &register_kernel);
-  m.def("register_composite", &register_composite);
+  m.def("register_composite", &register_composite, py::arg("ns"), py::arg("name"), py::arg("own_autograd") = false);
   m.def("stats", &stats);
 }

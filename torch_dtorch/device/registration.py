@@ -329,6 +329,10 @@ _SPECIAL_KERNELS = {
 }
 
 
+#: the special kernels a native kernel may front (``to`` that stays on dtorch: a bf16 model's casts, every layer)
+_NATIVE_SPECIALS = {aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default}
+
+
 def _schema_name(op: Any) -> str:
     name = op._schema.name.split("::", 1)[1]
     overload = op._overloadname
@@ -378,7 +382,14 @@ def ensure_registered() -> None:
                 lib.impl(_schema_name(op), random_inplace(op), "PrivateUse1")
                 _KERNELS[op] = "random"
         for op, fn in _SPECIAL_KERNELS.items():
-            lib.impl(_schema_name(op), fn, "PrivateUse1")
+            fast = fastpath.fast_op(op) if op in _NATIVE_SPECIALS else None
+            if isinstance(fast, fastpath.FastOp) and fastpath.NATIVE is not None and fast.native_ok:
+                # the native kernel on the dtorch key serves the calls that stay on dtorch; its misses (the first
+                # call of a layout, leaving dtorch, uploading) reach the special kernel on PrivateUse2
+                lib.impl(_schema_name(op), fn, "PrivateUse2")
+                fastpath_native.register_native(op, fast)
+            else:
+                lib.impl(_schema_name(op), fn, "PrivateUse1")
             _KERNELS[op] = "special"
         for op in RESTRIDE_INPLACE:
             if op not in _KERNELS:
@@ -386,15 +397,20 @@ def ensure_registered() -> None:
                 _KERNELS[op] = "refused"
         for op in intercept_list():
             if op is aten.scaled_dot_product_attention.default:
-                # autograd through the fused attention pair, whose rules keep CP in the backward
-                lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), "AutogradPrivateUse1")
+                # autograd through the fused attention pair, whose rules keep CP in the backward; without grad,
+                # the native gate goes on to the native kernel (no Python on an inference call)
+                if fastpath.NATIVE is not None:
+                    lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), "AutogradPrivateUse2")
+                    fastpath.NATIVE.register_composite(op.namespace, _schema_name(op), own_autograd=True)
+                else:
+                    lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), "AutogradPrivateUse1")
                 continue
             if op is aten.dropout.default:
                 # training draws CPU torch's unfused noise on the controller (torch's decomposition: native_dropout)
                 lib.impl(_schema_name(op), dropout_autograd(_autograd(op)), "AutogradPrivateUse1")
                 continue
             if not isinstance(op, str) and has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd"):
-                if fastpath.NATIVE is not None and _KERNELS.get(op) == "generic":
+                if fastpath.NATIVE is not None:
                     fastpath.NATIVE.register_composite(op.namespace, _schema_name(op))
                 else:
                     lib.impl(_schema_name(op), _autograd(op), "AutogradPrivateUse1")
