@@ -4,12 +4,12 @@
 # about 25 minutes in all, so on a machine with a 10-minute limit per command run two or three groups per call)
 #
 # Groups (each step has its own time limit, so one slow row cannot eat the rest):
-#   cuda    the CUDA tests first: the eager suite on CUDA worker threads (the native lanes' stream waits) and the
-#           GPU-marked tests of the executor, cluster and compile backend
+#   cuda    the CUDA tests first: the eager suite on CUDA worker threads (the native lanes' stream waits; alone:
+#           cuda-eager) and the GPU-marked tests of the executor, cluster and compile backend (cuda-marked)
 #   train   issue 24: compiled training (time and peak memory, after the donation of saved activations),
 #           eager training, the simulated tp2 / dp2 modes
 #   e2e     issue 20: a small CUDA op end to end (worker overhead over torch, thread and process mode)
-#   llama   issue 23: 8-layer Llama-3-8B decode, eager and compiled, batch 1
+#   llama   issue 23: 8-layer Llama-3-8B decode, eager and compiled, batch 1 (alone: llama-eager, llama-compile)
 #   sd3     issues 21 / 22: SD3-medium compiled with CUDA graphs, then fp8 + fused ops + a 50 % skip cache
 #
 # Wheels the machine lacks (pyzmq, diffusers with importlib_metadata and zipp, expecttest) are installed from .whl/
@@ -41,8 +41,10 @@ native.load(); native_replay.extension()"
 groups=${*:-cuda train e2e llama sd3}
 for g in $groups; do
   case $g in
-    cuda)
+    cuda|cuda-eager)
       step 300 env DTORCH_TEST_DEVICE=cuda python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/eager
+      ;;&
+    cuda|cuda-marked)
       step 200 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/executor tests/cluster tests/backend \
         tests/training tests/collectives
       ;;
@@ -55,9 +57,11 @@ for g in $groups; do
     e2e)
       step 120 python3 bench/eager_e2e.py --device cuda --ops 1000 --repeat 3
       ;;
-    llama)
+    llama|llama-eager)
       step 150 python3 bench/llama_gpu.py --variants torch-eager,dtorch-eager --layers 8 --prefill 512 \
         --decode 64 --batch 1 --repeats 2
+      ;;&
+    llama|llama-compile)
       step 240 python3 bench/llama_gpu.py --variants torch-compile,dtorch-compile --layers 8 --prefill 512 \
         --decode 64 --batch 1 --repeats 2
       ;;
@@ -67,6 +71,7 @@ for g in $groups; do
       step 240 python3 bench/flux_gpu.py --model sd3 --modes inductor dtorch-compiled --steps 28 --repeat 2 \
         --quant fp8 --fuse --cache-skip 0.5 --accelerated-only
       ;;
+    cuda-eager|cuda-marked|llama-eager|llama-compile) ;;
     *)
       echo "unknown group $g (cuda, train, e2e, llama, sd3)" | tee -a "$LOG"
       ;;

@@ -111,25 +111,24 @@ def test_hit_bytes_are_worked_out_once_per_plan(small_pool: tuple[MemoryGuard, t
     del y, z
 
 
-def test_the_frees_of_dead_outputs_wait_for_a_group_and_for_every_sync() -> None:
-    """Dead operands join the instruction stream ``DRAIN_AT`` at a time (the per-op path only counts them), and a
-    sync or flush sends every one: the workers hold a dead output at most that many ops longer."""
-    from torch_dtorch.executor.eager_planned import DRAIN_AT
-
-    mesh = dt.init_device_mesh("cpu", (2,))
-    x = dt.distribute_tensor(torch.randn(_ROWS, 64), mesh, [Shard(0)])
+def test_the_ledger_learns_of_dead_outputs_at_each_flush(
+    small_pool: tuple[MemoryGuard, torch.Tensor, int],
+) -> None:
+    """A dead output's ``Free`` goes out in front of the next op (the workers drop it there), but the memory guard's
+    ledger is told of the dead once per flush, not once per op: until then their bytes still count as planned, and a
+    hit past the budget first tells it (above: no settle)."""
+    guard, x, room = small_pool
     ex = dt.device.state.get_session().executor
+    dt.sync()
+    assert not ex._unledgered
     y = x + 1
-    dt.sync()
-    assert not ex._dead
-    held = _live_bytes()  # x and y (and whatever earlier tests left)
-    for _ in range(DRAIN_AT // 2):
+    for _ in range(room // 2):
         y = x + 1  # the previous y dies
-    assert DRAIN_AT // 2 - 2 <= len(ex._dead) <= DRAIN_AT // 2  # counted, not yet in front of an instruction
-    for _ in range(3 * DRAIN_AT):
-        y = x + 1
-        assert len(ex._dead) <= DRAIN_AT  # drained in groups
-    dt.sync()
-    assert not ex._dead
-    assert _live_bytes() == held  # x and the last y, nothing dead, on the workers
+    frees = [i for i in ex._pending if type(i).__name__ == "Free"]
+    assert len(frees) >= room // 2 - 1  # a Free in front of (nearly) every op: per op, not batched
+    assert len(ex._unledgered) >= room // 2 - 1
+    assert guard.planned_bytes[0] >= (room // 2) * _ROWS * 64 * 4  # the dead still count until the flush
+    ex.flush()
+    assert not ex._unledgered
+    assert guard.planned_bytes[0] <= 2 * _ROWS * 64 * 4  # only the live y (and one not yet drained)
     torch.testing.assert_close(y.full_tensor(), x.full_tensor() + 1)

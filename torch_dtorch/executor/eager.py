@@ -28,7 +28,7 @@ from torch_dtorch._compat import replay_views
 from torch_dtorch.config import RedistributePolicy, get_config
 from torch_dtorch.executor.constructor import REDISTRIBUTE, GraphConstructor
 from torch_dtorch.executor.copy_views import CopyViews
-from torch_dtorch.executor.eager_planned import DRAIN_AT, PlannedRecorder, user_call_site
+from torch_dtorch.executor.eager_planned import PlannedRecorder, user_call_site
 from torch_dtorch.executor.future import TensorFuture
 from torch_dtorch.executor.instructions import (
     Barrier,
@@ -95,6 +95,8 @@ class EagerGraphExecutor:
         self._pending: list[Instruction] = []
         #: ids of operands whose last tensor died (:meth:`release`), freed before the next instruction
         self._dead: collections.deque[int] = collections.deque()
+        #: drained dead operands the memory guard's ledger has not been told of yet (:meth:`release_to_ledger`)
+        self._unledgered: list[int] = []
         #: views that read a redistributed copy of their input, refreshed after in-place writes to that input
         self.copy_views = CopyViews(self, self._dead)
         self._last = 0.0
@@ -214,7 +216,7 @@ class EagerGraphExecutor:
     def _append(self, instr: Instruction) -> None:
         # callers hold self._lock
         pending = self._pending
-        if len(self._dead) >= DRAIN_AT:
+        if self._dead:
             self._drain_dead()
         pending.append(instr)
         self._last = time.monotonic()
@@ -347,13 +349,25 @@ class EagerGraphExecutor:
         else:
             ids = []
             pending.append(Free(ids))
-        start = len(ids)
         take = dead.popleft
+        unledgered = self._unledgered
         while dead:
-            ids.append(take())
-        guard = self.constructor.memory
-        if guard is not None and guard.tracking:
-            guard.released(ids[start:])
+            i = take()
+            ids.append(i)
+            unledgered.append(i)
+
+    def release_to_ledger(self) -> None:
+        """Tell the memory guard which operands died since the last call (callers hold ``self._lock``). Their
+        ``Free``s go out with the next instruction; the guard's ledger learns of them at each flush (and before a
+        fast-path hit past the budget), once per batch instead of once per op."""
+        if self._dead:
+            self._drain_dead()
+        ids = self._unledgered
+        if ids:
+            self._unledgered = []
+            guard = self.constructor.memory
+            if guard is not None:
+                guard.released(ids)
 
     def free(self, operand: int | Operand) -> None:
         """Drop an operand's blobs on every worker, in order with the operators (consecutive frees share one
@@ -379,8 +393,7 @@ class EagerGraphExecutor:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
-        if self._dead:
-            self._drain_dead()
+        self.release_to_ledger()
         if not self._pending:
             return
         batch, self._pending = self._pending, []

@@ -35,15 +35,10 @@ from torch_dtorch.placement_rules import OpCall, OpRule
 if TYPE_CHECKING:
     from torch_dtorch.executor.eager import EagerGraphExecutor
 
-__all__ = ["DRAIN_AT", "PlannedRecorder", "user_call_site"]
+__all__ = ["PlannedRecorder", "user_call_site"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-#: dead operands that wait for the next instruction before their ``Free`` is put in front of it: draining them in
-#: groups (and at every flush and sync) costs the per-op path one length check instead of a ``Free`` update and a
-#: memory-ledger release per op; a blob lives at most this many ops longer on the workers
-DRAIN_AT = 16
 
 
 class PlannedRecorder:
@@ -153,7 +148,7 @@ class PlannedRecorder:
                 plan, args, inputs, outs, first, opid, user_call_site() if get_config().debug else None
             )
             # ex._append, inline
-            if len(self._dead) >= DRAIN_AT:
+            if self._dead:
                 ex._drain_dead()
             if tracked is not None and outs:  # the bytes die with the output (memory_ledger.py)
                 guard.ledger.track_hit(outs[0].id, tracked.per_pool)  # type: ignore[union-attr]
@@ -170,13 +165,13 @@ class PlannedRecorder:
             return outs
 
     def _admit_past_budget(self, plan: FastPlan, mem: HitBytes) -> None:
-        """The pre-check of a hit whose bytes pass the last free figure: first the dead operands' ``Free``s (they
-        wait for ``DRAIN_AT`` of them; their bytes are no longer planned once drained), then a fresh figure, and
-        if that is not enough either, settle (:meth:`MemoryGuard.settle`: syncs the executor, may raise)."""
+        """The pre-check of a hit whose bytes pass the last free figure: first the bytes of the operands that died
+        since the last flush (the ledger learns of them at flushes: :meth:`EagerGraphExecutor.release_to_ledger`),
+        then a fresh figure, and if that is not enough either, settle (:meth:`MemoryGuard.settle`: syncs the
+        executor, may raise)."""
         guard = mem.guard
-        if self._dead:
-            with self._lock:
-                self._ex._drain_dead()
+        with self._lock:
+            self._ex.release_to_ledger()
         if guard.hit(mem) or guard.recheck(mem):
             return
         guard.settle(str(plan.op), mem)
