@@ -36,6 +36,7 @@ from torch_dtorch.cluster.codec.hits import FREE, HitRun
 from torch_dtorch.cluster.transport import MessageKind, wire
 from torch_dtorch.device.state import get_session
 from torch_dtorch.executor.instructions import FastRun
+from torch_dtorch.runtime import native_replay
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from eager_e2e import chain_us  # noqa: E402 - the same chain timing as the issue's bench
@@ -102,11 +103,12 @@ def capture_flux(layers: tuple[int, int], *, warmup: int = 2, steps: int = 3) ->
 
 
 def codec_round(
-    batches: list[list[Any]], *, hits: bool, timed_from: int = 0
+    batches: list[list[Any]], *, hits: bool, native: bool | None = None, timed_from: int = 0
 ) -> tuple[float, float, float, float]:
     """(controller µs/op, worker µs/op, bytes/op, share of the hits sent as records) of one pass over ``batches``
-    with fresh tables; only ``batches[timed_from:]`` count."""
-    enc, dec = BatchEncoder(hits=hits), BatchDecoder()
+    with fresh tables; only ``batches[timed_from:]`` count. ``native=False``: records encoded in Python only (no
+    ``encode_hits`` lane)."""
+    enc, dec = BatchEncoder(hits=hits, native=native), BatchDecoder()
     n = sum(type(i) is FastRun for b in batches[timed_from:] for i in b)
     t_enc = t_dec = 0.0
     nbytes = records = 0
@@ -222,14 +224,20 @@ def main() -> None:
         "\n| codec | encoding | controller µs/op | worker µs/op | ops/s (both) | bytes/op | hits as records |"
     )
     print("|---|---|---|---|---|---|---|")
+    variants = {  # label: (hits, native)
+        "all JSON": (False, None),
+        f"hit records (v{VERSION}), Python encoder": (True, False),
+        f"hit records (v{VERSION})": (True, None),  # the default: the C++ lane where it is built
+    }
+    if native_replay.hit_encoder() is None:
+        del variants[f"hit records (v{VERSION}), Python encoder"]
     for name, (batches, first) in workloads.items():
-        cells: dict[bool, list[tuple[float, float, float, float]]] = {True: [], False: []}
+        cells: dict[str, list[tuple[float, float, float, float]]] = {v: [] for v in variants}
         for _ in range(args.rounds):
-            for hits in (False, True):
-                cells[hits].append(codec_round(batches, hits=hits, timed_from=first))
-        for hits in (False, True):
-            c, w, nb, rec = (statistics.median(col) for col in zip(*cells[hits], strict=True))
-            label = f"hit records (v{VERSION})" if hits else "all JSON"
+            for label, (hits, native) in variants.items():
+                cells[label].append(codec_round(batches, hits=hits, native=native, timed_from=first))
+        for label in variants:
+            c, w, nb, rec = (statistics.median(col) for col in zip(*cells[label], strict=True))
             print(f"| {name} | {label} | {c:.2f} | {w:.2f} | {1e6 / (c + w):,.0f} | {nb:.0f} | {rec:.0%} |")
     if args.no_e2e:
         return

@@ -102,6 +102,32 @@ def test_records_decode_to_the_same_instructions_as_json(batches: list[list[Inst
     assert words > 5 * n_fast // 2, "most hits should travel as records"
 
 
+def test_the_native_lane_encodes_what_the_python_encoder_does(batches: list[list[Instruction]]) -> None:
+    """The C++ encoding lane (``_replay.cpp``'s ``encode_hits``) writes the same records, JSON and tables as the
+    Python encoder, batch after batch, and encodes most hits itself."""
+    from torch_dtorch.runtime import native_replay
+
+    if native_replay.extension() is None:
+        pytest.skip("the native extension is not built here (DTORCH_NATIVE=0 or no compiler)")
+    native, ref = BatchEncoder(hits=True, native=True), BatchEncoder(hits=True, native=False)
+    lane = native.lane
+    assert lane is not None
+    taken = 0
+
+    def counted(batch: Any, start: int, fastrun: type, *rest: Any) -> int:
+        nonlocal taken
+        end = lane(batch, start, fastrun, *rest)
+        taken += sum(1 for x in batch[start:end] if type(x) is fastrun)
+        return end
+
+    native.lane = counted
+    for batch in batches:
+        assert native.encode(batch) == ref.encode(batch)
+        assert native._operands.keys() == ref._operands.keys() and native._tables == ref._tables
+    n_fast = sum(type(i) is FastRun for b in batches for i in b)
+    assert taken > n_fast // 2, (taken, n_fast)
+
+
 def test_records_supersede_an_older_definition_of_their_ids(batches: list[list[Instruction]]) -> None:
     """Operand ids defined before — a compiled program's own operands share the eager id space (``LoadProgram``
     defines them) — are superseded by the records that make those ids later: the decoder's table had kept the old

@@ -557,6 +557,111 @@ py::tuple queue_runs(py::tuple chain, py::object batch, int64_t start, py::handl
   return py::make_tuple(static_cast<int64_t>(i), queued);
 }
 
+// ``words.append(v)`` for a C integer
+void append_int(PyObject* words, int64_t v) {
+  PyObject* o = PyLong_FromLongLong(v);
+  if (o == nullptr) throw py::error_already_set();
+  int r = PyList_Append(words, o);
+  Py_DECREF(o);
+  if (r < 0) throw py::error_already_set();
+}
+
+// Process mode's controller lane (cluster/codec/hits.py, ``HitEncoding``), the twin of ``queue_records``: from
+// ``batch[start]``, append to ``words`` the hit record (``hid << 2, first operator id, first output id, slot
+// ids...``; an absent slot is -1) of every ``FastRun`` whose template the decoders know (``hit_table[plan]``) and
+// whose inputs they know (``known[id] is operand``), registering its outputs in ``known``, and the free record
+// (``n << 2 | free_kind, ids...``) of every ``Free``, dropping its ids from ``known``. Stops at the first
+// instruction it cannot encode — another type, a call site, Python-path arguments, an output that requires grad,
+// an input or template the decoders do not know yet — and returns its index (``HitEncoding._hit`` takes it).
+int64_t encode_hits(py::object batch, int64_t start, py::handle fastrun, py::handle free_type, py::dict known,
+                    py::dict hit_table, py::list words, int64_t free_kind) {
+  static PyObject* s_plan = interned("plan");
+  static PyObject* s_args = interned("args");
+  static PyObject* s_site = interned("call_site");
+  static PyObject* s_inputs = interned("inputs");
+  static PyObject* s_outputs = interned("outputs");
+  static PyObject* s_first_op = interned("first_op");
+  static PyObject* s_first_id = interned("first_id");
+  static PyObject* s_ids = interned("operand_ids");
+  static PyObject* s_id = interned("id");
+  static PyObject* s_grad = interned("requires_grad");
+  py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(batch.ptr(), "a batch"));
+  if (!items) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+  PyObject* w = words.ptr();
+  PyObject* k = known.ptr();
+  std::vector<py::object> ids;  // the slots' ids (None: absent), kept alive until appended
+  Py_ssize_t i = static_cast<Py_ssize_t>(start);
+  for (; i < n; ++i) {
+    PyObject* run = PySequence_Fast_GET_ITEM(items.ptr(), i);
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(run));
+    if (type == free_type.ptr()) {
+      py::object fids = attr(run, s_ids);
+      if (!PyList_Check(fids.ptr())) break;
+      const Py_ssize_t m = PyList_GET_SIZE(fids.ptr());
+      if (m == 0) continue;
+      for (Py_ssize_t q = 0; q < m; ++q) drop_blob(known, PyList_GET_ITEM(fids.ptr(), q));
+      append_int(w, (static_cast<int64_t>(m) << 2) | free_kind);
+      for (Py_ssize_t q = 0; q < m; ++q) {
+        if (PyList_Append(w, PyList_GET_ITEM(fids.ptr(), q)) < 0) throw py::error_already_set();
+      }
+      continue;
+    }
+    if (type != fastrun.ptr()) break;
+    if (attr(run, s_site).ptr() != Py_None || attr(run, s_args).ptr() != Py_None) break;
+    py::object outs = attr(run, s_outputs);
+    py::object ins = attr(run, s_inputs);
+    if (!PyList_Check(outs.ptr()) || !PyList_Check(ins.ptr())) break;
+    bool ok = true;
+    const Py_ssize_t n_out = PyList_GET_SIZE(outs.ptr());
+    for (Py_ssize_t q = 0; q < n_out && ok; ++q) {
+      int g = PyObject_IsTrue(attr(PyList_GET_ITEM(outs.ptr(), q), s_grad).ptr());
+      if (g < 0) throw py::error_already_set();
+      ok = g == 0;  // outputs that require grad key their template by the flags: the Python encoder's
+    }
+    if (!ok) break;
+    ids.clear();
+    const Py_ssize_t n_in = PyList_GET_SIZE(ins.ptr());
+    for (Py_ssize_t q = 0; q < n_in && ok; ++q) {
+      PyObject* x = PyList_GET_ITEM(ins.ptr(), q);
+      if (x == Py_None) {
+        ids.push_back(py::none());
+        continue;
+      }
+      py::object xid = attr(x, s_id);
+      PyObject* got = PyDict_GetItemWithError(k, xid.ptr());  // borrowed
+      if (got == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      ok = got == x;  // else an input the decoder does not know: the JSON path defines it
+      ids.push_back(std::move(xid));
+    }
+    if (!ok) break;
+    py::object plan = attr(run, s_plan);
+    PyObject* hid = PyDict_GetItemWithError(hit_table.ptr(), plan.ptr());  // borrowed
+    if (hid == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      break;  // the template's first hit: the Python encoder defines it
+    }
+    const int64_t h = PyLong_AsLongLong(hid);
+    if (h == -1 && PyErr_Occurred()) throw py::error_already_set();
+    append_int(w, h << 2);
+    if (PyList_Append(w, attr(run, s_first_op).ptr()) < 0 || PyList_Append(w, attr(run, s_first_id).ptr()) < 0) {
+      throw py::error_already_set();
+    }
+    for (const py::object& x : ids) {
+      if (x.is_none()) {
+        append_int(w, -1);
+      } else if (PyList_Append(w, x.ptr()) < 0) {
+        throw py::error_already_set();
+      }
+    }
+    for (Py_ssize_t q = 0; q < n_out; ++q) {
+      PyObject* o = PyList_GET_ITEM(outs.ptr(), q);
+      if (PyDict_SetItem(k, attr(o, s_id).ptr(), o) < 0) throw py::error_already_set();
+    }
+  }
+  return static_cast<int64_t>(i);
+}
+
 // Process mode's hit records (cluster/codec/hit_worker.py): from word ``p`` to ``end`` of a batch's hit frame
 // (``words``, a list of ints), queue every hit record whose template (``hts[w >> 2]``) this worker resolved to a
 // native call (``resolved[template.tm]``) onto the chain, skip records of other devices, and apply every free record
@@ -651,5 +756,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("queue_runs", &queue_runs);
   m.def("free", &free_ids);
   m.def("queue_records", &queue_records);
+  m.def("encode_hits", &encode_hits);
   m.def("take_peak", []() { return py::make_tuple(g_peak.exchange(0), g_end.exchange(0)); });
 }

@@ -13,7 +13,7 @@ Without a C++ compiler (or with ``DTORCH_NATIVE=0``) :func:`extension` is ``None
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,7 +24,7 @@ from torch_dtorch._native_build import NativeExtension
 from torch_dtorch.runtime.blob import Blob, KernelError
 from torch_dtorch.runtime.stream import COMPUTE, KernelStream
 
-__all__ = ["NativeChain", "extension"]
+__all__ = ["NativeChain", "extension", "hit_encoder"]
 
 #: a chain step that drops the chain's tensors of the ids that follow (``FREE_STEP, n, ids...``; ``_replay.cpp``)
 FREE_STEP = -1
@@ -65,6 +65,14 @@ def native_handle(
         )
     except Exception:  # noqa: BLE001 - an argument the native loop cannot take: the Python replay runs it
         return -1
+
+
+def hit_encoder() -> Callable[..., int] | None:
+    """Process mode's controller lane, ``_replay.cpp``'s ``encode_hits(batch, start, FastRun, Free, known,
+    hit_table, words, free_kind) -> index``: the hit and free records of a run of instructions appended in C++
+    (:meth:`torch_dtorch.cluster.codec.encoder.BatchEncoder.encode`); ``None`` without the extension."""
+    ext = extension()
+    return None if ext is None else ext.encode_hits
 
 
 def release(handles: Sequence[int]) -> None:

@@ -26,7 +26,7 @@ from torch_dtorch.cluster.codec.common import (
     pl_str,
     template_key,
 )
-from torch_dtorch.cluster.codec.hits import HitEncoding, hits_enabled, pack
+from torch_dtorch.cluster.codec.hits import FREE, HitEncoding, hits_enabled, pack
 from torch_dtorch.errors import NoRuleError
 from torch_dtorch.executor.constructor import REDISTRIBUTE, BoundOp
 from torch_dtorch.executor.instructions import (
@@ -44,6 +44,7 @@ from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placement
 from torch_dtorch.placement_rules import get_rule
 from torch_dtorch.placement_rules.redistribute.planner import RedistributePlan
+from torch_dtorch.runtime.native_replay import hit_encoder
 
 __all__ = ["BatchEncoder", "EncodeContext"]
 
@@ -210,10 +211,17 @@ class BatchEncoder(EncodeContext, HitEncoding):
     as compact JSON bytes (one signed frame), the fast-path hits and frees as binary records (one signed frame,
     :mod:`~torch_dtorch.cluster.codec.hits`) plus the tensor constants (zero-copy frames).
 
-    ``hits``: send hits as records (default ``DTORCH_WIRE_HITS``, on); ``False`` sends every instruction as JSON."""
+    ``hits``: send hits as records (default ``DTORCH_WIRE_HITS``, on); ``False`` sends every instruction as JSON.
+    ``native``: encode runs of records in C++ (``_replay.cpp``'s ``encode_hits``; default: where the extension
+    is built), the Python encoder taking each instruction the lane stops at."""
 
-    def __init__(self, *, hits: bool | None = None) -> None:
+    def __init__(self, *, hits: bool | None = None, native: bool | None = None) -> None:
         self.hits = hits_enabled() if hits is None else hits
+        self.lane: Callable[..., int] | None = hit_encoder() if native is not False else None
+        if native and self.lane is None:
+            raise RuntimeError(
+                "BatchEncoder(native=True): the native extension is not built (docs/building.md)"
+            )
         super().__init__()
         self._batch_no = 0
         self._send_reset = True
@@ -250,7 +258,15 @@ class BatchEncoder(EncodeContext, HitEncoding):
             if self.hits:
                 mark = 0  # words[mark:] are records the JSON list does not place yet
                 hit, free_words = self._hit, self._free_words
-                for instr in batch:
+                lane, known, table = self.lane, self._operands, self._tables["hit"]
+                size, at = len(batch), 0
+                while at < size:
+                    if lane is not None:
+                        at = lane(batch, at, FastRun, Free, known, table, words, FREE)
+                        if at >= size:
+                            break
+                    instr = batch[at]
+                    at += 1
                     t = type(instr)
                     if t is FastRun:
                         trees = hit(instr)  # type: ignore[arg-type]
