@@ -50,7 +50,15 @@ def per_op_us(fn: Callable[[], object], iters: int, rounds: int = 40) -> float:
 
 
 def ops(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
-    return {"add 16x16": lambda: a + b, "mm 16x16": lambda: a @ b, "view": lambda: a.view(256)}
+    q, k = a.view(1, 1, 16, 16), b.view(1, 1, 16, 16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return {
+        "add 16x16": lambda: a + b,
+        "mm 16x16": lambda: a @ b,
+        "view": lambda: a.view(256),
+        "sdpa [1,1,16,16]": lambda: sdpa(q, k, k),
+        "to(device, float64)": lambda: a.to(a.device, torch.float64),
+    }
 
 
 def measure(args: argparse.Namespace, port: int) -> dict[str, dict[str, float]]:
