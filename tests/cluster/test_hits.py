@@ -22,6 +22,7 @@ from torch_dtorch.cluster.heartbeat import WorkerHangError
 from torch_dtorch.cluster.protocol import WorkerFailedError
 from torch_dtorch.cluster.runner import ClusterRunner
 from torch_dtorch.cluster.transport import MessageKind, wire
+from torch_dtorch.config import get_config
 from torch_dtorch.device.state import get_session
 from torch_dtorch.executor.instructions import FastRun, Free, Instruction, RunOp
 
@@ -126,6 +127,59 @@ def test_the_native_lane_encodes_what_the_python_encoder_does(batches: list[list
         assert native._operands.keys() == ref._operands.keys() and native._tables == ref._tables
     n_fast = sum(type(i) is FastRun for b in batches for i in b)
     assert taken > n_fast // 2, (taken, n_fast)
+
+
+def capture_mixed() -> list[list[Instruction]]:
+    """Batches with what the C++ lane must leave to the Python encoder: outputs that require grad (their templates
+    are keyed by the flags), call sites (``debug``), Python fast-path hits (in place: their arguments travel)."""
+    mesh = dt.init_device_mesh("cpu", (2,), mode="thread")
+    runner = get_session().executor.runner
+    batches: list[list[Instruction]] = []
+    submit = runner.submit
+
+    def record(batch: Any) -> None:
+        batches.append(list(batch))
+        submit(batch)
+
+    runner.submit = record  # type: ignore[method-assign]
+    cfg = get_config()
+    debug = cfg.debug
+    try:
+        x = dt.distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        b = dt.distribute_tensor(torch.randn(8, 4), mesh, [Replicate()])
+        for i in range(60):
+            x = x * 0.5 + b
+            x.mul_(1.0)  # in place: a Python fast-path hit
+            if i == 30:
+                cfg.debug = True  # call sites from here on
+        dt.sync()
+    finally:
+        cfg.debug = debug
+        dt.shutdown()
+    # outputs that require grad (as traced training graphs' operands do; eager operands carry no flag): every
+    # fourth hit's (each plan gets some; a step makes three), consistently for the operands later hits read
+    runs = [i for b in batches for i in b if type(i) is FastRun]
+    for run in runs[::4]:
+        for o in run.outputs:
+            o.requires_grad = True
+    return batches
+
+
+def test_the_native_lane_leaves_grad_call_sites_and_python_hits_to_python() -> None:
+    """On batches full of what the lane must not encode, its output still equals the Python encoder's."""
+    from torch_dtorch.runtime import native_replay
+
+    if native_replay.extension() is None:
+        pytest.skip("the native extension is not built here (DTORCH_NATIVE=0 or no compiler)")
+    batches = capture_mixed()
+    grad = [i for b in batches for i in b if type(i) is FastRun and any(o.requires_grad for o in i.outputs)]
+    sites = [i for b in batches for i in b if type(i) is FastRun and i.call_site is not None]
+    args = [i for b in batches for i in b if type(i) is FastRun and i.args is not None]
+    assert grad and sites and args, (len(grad), len(sites), len(args))
+    native, ref = BatchEncoder(hits=True, native=True), BatchEncoder(hits=True, native=False)
+    for batch in batches:
+        assert native.encode(batch) == ref.encode(batch)
+        assert native._operands.keys() == ref._operands.keys() and native._tables == ref._tables
 
 
 def test_records_supersede_an_older_definition_of_their_ids(batches: list[list[Instruction]]) -> None:

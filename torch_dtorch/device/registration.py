@@ -399,11 +399,11 @@ def ensure_registered() -> None:
             if op is aten.scaled_dot_product_attention.default:
                 # autograd through the fused attention pair, whose rules keep CP in the backward; without grad,
                 # the native gate goes on to the native kernel (no Python on an inference call)
-                if fastpath.NATIVE is not None:
-                    lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), "AutogradPrivateUse2")
+                gated = fastpath.NATIVE is not None
+                key = "AutogradPrivateUse2" if gated else "AutogradPrivateUse1"
+                lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), key)
+                if gated:
                     fastpath.NATIVE.register_composite(op.namespace, _schema_name(op), own_autograd=True)
-                else:
-                    lib.impl(_schema_name(op), sdpa_autograd(_autograd(op)), "AutogradPrivateUse1")
                 continue
             if op is aten.dropout.default:
                 # training draws CPU torch's unfused noise on the controller (torch's decomposition: native_dropout)
