@@ -45,6 +45,7 @@ def small_pool() -> Iterator[tuple[MemoryGuard, torch.Tensor, int]]:
         [MemoryPool("fake RAM", tuple(mesh.devices), lambda: limit - _live_bytes())],
         margin=0.0,
         settle=ex.sync,
+        catch_up=ex.release_to_ledger,
     )
     old = ex.constructor.memory
     ex.constructor.memory = guard
@@ -132,3 +133,22 @@ def test_the_ledger_learns_of_dead_outputs_at_each_flush(
     assert not ex._unledgered
     assert guard.planned_bytes[0] <= 2 * _ROWS * 64 * 4  # only the live y (and one not yet drained)
     torch.testing.assert_close(y.full_tensor(), x.full_tensor() + 1)
+
+
+def test_general_path_ops_whose_outputs_die_do_not_settle_either(
+    small_pool: tuple[MemoryGuard, torch.Tensor, int],
+) -> None:
+    """The general check (an op planned in full, not a fast-path hit) asks the executor to tell the ledger of the
+    dead before it settles, as a hit does: a loop of such ops whose outputs die never waits for the workers (the
+    ledger learns of the dead per flush)."""
+    from torch_dtorch.device.dispatch import operand_of
+
+    guard, x, room = small_pool
+    ex = dt.device.state.get_session().executor
+    xop = operand_of(x)
+    checks = guard.checks
+    for _ in range(4 * room):
+        out = ex.call(torch.ops.aten.add.Tensor, xop, xop)  # the executor's general entry: planned, checked
+        ex.release(out.id)  # its tensor died
+    assert guard.checks - checks == 4 * room  # every call was checked
+    assert guard.settles == 0

@@ -35,6 +35,7 @@ def busy_pool() -> Iterator[tuple[MemoryGuard, dt.DeviceMesh, int]]:
         margin=0.0,
         idle=lambda: False,
         settle=ex.sync,
+        catch_up=ex.release_to_ledger,
     )
     old = ex.constructor.memory
     ex.constructor.memory = guard
@@ -109,6 +110,7 @@ def test_finished_batches_are_forgotten_without_settling(with_progress: bool) ->
         margin=0.0,
         idle=lambda: False,
         settle=ex.sync,
+        catch_up=ex.release_to_ledger,
         progress=runner.finished_batches if with_progress else None,
     )
     old = ex.constructor.memory
@@ -147,6 +149,7 @@ def test_dying_planned_outputs_do_not_pile_up_the_hits_bytes() -> None:
         margin=0.0,
         idle=lambda: False,
         settle=ex.sync,
+        catch_up=ex.release_to_ledger,
         progress=lambda: max(0, runner.finished_batches() - 3),  # a GPU queue three batches deep
     )
     old = ex.constructor.memory
@@ -204,6 +207,7 @@ def test_reported_figures_forget_the_bytes_of_dead_hit_outputs() -> None:
         ],  # never a new report
         margin=0.0,
         settle=ex.sync,
+        catch_up=ex.release_to_ledger,
     )
     old = ex.constructor.memory
     ex.constructor.memory = guard

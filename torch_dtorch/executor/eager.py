@@ -110,7 +110,9 @@ class EagerGraphExecutor:
         self._timer = threading.Thread(target=self._timer_loop, name="dtorch-flush-timer", daemon=True)
         self._timer.start()
         self._resolver = ValueResolver(self)
-        self.constructor.memory = memory_guard_for(runner, idle=self._workers_idle, settle=self.sync)
+        self.constructor.memory = memory_guard_for(
+            runner, idle=self._workers_idle, settle=self.sync, catch_up=self.release_to_ledger
+        )
         #: the recording of planned calls (the fast path's hits, replays of known plans): its entry points are bound
         #: here as attributes, so a hit costs one call
         self.planned = PlannedRecorder(self)
@@ -357,17 +359,18 @@ class EagerGraphExecutor:
             unledgered.append(i)
 
     def release_to_ledger(self) -> None:
-        """Tell the memory guard which operands died since the last call (callers hold ``self._lock``). Their
-        ``Free``s go out with the next instruction; the guard's ledger learns of them at each flush (and before a
-        fast-path hit past the budget), once per batch instead of once per op."""
-        if self._dead:
-            self._drain_dead()
-        ids = self._unledgered
-        if ids:
-            self._unledgered = []
-            guard = self.constructor.memory
-            if guard is not None:
-                guard.released(ids)
+        """Tell the memory guard which operands died since the last call. Their ``Free``s go out with the next
+        instruction; the guard's ledger learns of them at each flush, and when the guard asks (its ``catch_up``:
+        before it reads a fresh figure or settles), once per batch instead of once per op."""
+        with self._lock:
+            if self._dead:
+                self._drain_dead()
+            ids = self._unledgered
+            if ids:
+                self._unledgered = []
+                guard = self.constructor.memory
+                if guard is not None:
+                    guard.released(ids)
 
     def free(self, operand: int | Operand) -> None:
         """Drop an operand's blobs on every worker, in order with the operators (consecutive frees share one

@@ -26,7 +26,6 @@ from torch_dtorch.executor.constructor import (
 )
 from torch_dtorch.executor.fast import FastPlan, replay_moves
 from torch_dtorch.executor.instructions import FastRun, RunOp
-from torch_dtorch.executor.memory_check import HitBytes
 from torch_dtorch.graph import AssignInfo, Operand, Operator, OperatorCost, TensorMeta
 from torch_dtorch.mesh import DeviceMesh
 from torch_dtorch.placement import Placements
@@ -98,8 +97,8 @@ class PlannedRecorder:
                 planned = guard.planned_bytes
                 if i >= 0 and planned[i] + n <= guard.budget[i]:  # one pool (the common case), inline
                     planned[i] += n
-                else:
-                    self._admit_past_budget(plan, mem)
+                elif (i >= 0 or not guard.hit(mem)) and not guard.recheck(mem):
+                    guard.settle(str(plan.op), mem)  # (syncs the executor: the guard's settle callback)
         with self._lock:
             if ex._closed:
                 ex._check_open()
@@ -163,18 +162,6 @@ class PlannedRecorder:
             if self._cv_live:  # a write refreshes the copy-views of its storage; views of them are tracked
                 self._copy_views.after_call(plan.rule, outs)
             return outs
-
-    def _admit_past_budget(self, plan: FastPlan, mem: HitBytes) -> None:
-        """The pre-check of a hit whose bytes pass the last free figure: first the bytes of the operands that died
-        since the last flush (the ledger learns of them at flushes: :meth:`EagerGraphExecutor.release_to_ledger`),
-        then a fresh figure, and if that is not enough either, settle (:meth:`MemoryGuard.settle`: syncs the
-        executor, may raise)."""
-        guard = mem.guard
-        with self._lock:
-            self._ex.release_to_ledger()
-        if guard.hit(mem) or guard.recheck(mem):
-            return
-        guard.settle(str(plan.op), mem)
 
     def call_planned(
         self,

@@ -123,11 +123,16 @@ class MemoryGuard:
         idle: Callable[[], bool] | None = None,
         settle: Callable[[], None] | None = None,
         progress: Callable[[], int] | None = None,
+        catch_up: Callable[[], None] | None = None,
     ) -> None:
         self.pools = tuple(pools)
         self.margin = env_margin() if margin is None else margin
         self._idle = idle
         self._settle = settle
+        #: tells the ledger of the operands that died since the executor's last flush (it learns of them per
+        #: flush: ``EagerGraphExecutor.release_to_ledger``) before a hit past the budget reads a fresh figure
+        #: (:meth:`recheck`) and before a check settles
+        self._catch_up = catch_up
         self._progress = progress
         self._pool_of = {d: i for i, p in enumerate(self.pools) for d in p.devices}
         #: what is counted as planned, and what it belongs to (torch_dtorch/executor/memory_ledger.py; the fast
@@ -169,6 +174,14 @@ class MemoryGuard:
             i, free = short
             if self._settle is None or need[i] > free * (1.0 - self.margin):  # settling would not make room
                 raise self._error(what, items, self.pools[i], need[i], free, self.planned_bytes[i])
+        # first the bytes of the operands dead since the last flush (outside the lock: the executor's)
+        if self._catch_up is not None:
+            self._catch_up()
+            with self._lock:
+                if self._short(need) is None:
+                    for i, n in enumerate(need):
+                        self.planned_bytes[i] += n
+                    return
         # Bytes planned since the workers were last seen idle may be allocated already, and then the free figure
         # counts them twice: settle (outside the lock: the executor's sync frees dead tensors through it), so
         # nothing planned is unallocated, and look again.
@@ -248,7 +261,12 @@ class MemoryGuard:
         return True
 
     def recheck(self, mem: HitBytes) -> bool:
-        """A hit past the last figure: read fresh figures; count it and return ``True`` if they allow it."""
+        """A hit past the last figure: count it and return ``True`` if it fits once the ledger caught up with the
+        dead, or else fresh figures allow it."""
+        if self._catch_up is not None:
+            self._catch_up()
+            if self.hit(mem):
+                return True
         with self._lock:
             self._refresh()
             return self._admit(mem, settled=False)
@@ -385,6 +403,7 @@ def memory_guard_for(
     *,
     idle: Callable[[], bool] | None = None,
     settle: Callable[[], None] | None = None,
+    catch_up: Callable[[], None] | None = None,
 ) -> MemoryGuard | None:
     """The guard of ``runner``'s devices (``None`` when the check is off or the runner is unknown)."""
     if not check_enabled():
@@ -408,4 +427,6 @@ def memory_guard_for(
                 MemoryPool(f"cuda:{i}", tuple(ds), pool_free_of_cuda(i)) for i, ds in sorted(by_gpu.items())
             ]
     progress = getattr(runner, "finished_batches", None)
-    return MemoryGuard(pools, idle=idle, settle=settle, progress=progress if callable(progress) else None)
+    return MemoryGuard(
+        pools, idle=idle, settle=settle, progress=progress if callable(progress) else None, catch_up=catch_up
+    )
